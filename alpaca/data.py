@@ -1,0 +1,234 @@
+"""Alpaca data: records, prompts, tokenization, intervention positions, the global batch plan, collation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from alpaca.args import UsageError
+
+IGNORE_INDEX = -100
+
+# The Stanford Alpaca templates, verbatim.
+PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+def format_prompt(instruction: str, input: str | None = "") -> str:
+    if input:
+        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
+    return PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def _read_local_records(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read --data_path {path!r}: {error}") from None
+    try:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        records = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(
+            f"--data_path {path!r} is not valid JSON ({error}); fix the file or convert it to JSON/JSONL"
+        ) from None
+    if not isinstance(records, list):
+        raise UsageError(f"--data_path {path!r} must hold a JSON list of records (or be JSONL, one record per line)")
+    return records
+
+
+def check_records(records: list[dict], source: str) -> None:
+    """Every record needs string `instruction` and `output`; `input` is optional."""
+    for index, record in enumerate(records):
+        ok = isinstance(record, dict) and all(
+            isinstance(record.get(key), str) for key in ("instruction", "output")
+        ) and isinstance(record.get("input", ""), (str, type(None)))
+        if not ok:
+            raise UsageError(
+                f"record {index} of {source} lacks a string 'instruction' or 'output'; "
+                "every record needs both ('input' is optional)"
+            )
+    if not records:
+        raise UsageError(f"{source} holds no records; pass an Alpaca file with at least one example")
+
+
+def load_records(data_path: str, max_n_train_example: int | None = None, seed: int = 42):
+    """Alpaca records from a local .json/.jsonl file or an HF hub dataset, as a `datasets.Dataset`."""
+    import datasets
+
+    if os.path.isfile(data_path):
+        records = _read_local_records(data_path)
+        check_records(records, repr(data_path))
+        dataset = datasets.Dataset.from_dict({
+            "instruction": [r["instruction"] for r in records],
+            "input": [r.get("input") or "" for r in records],
+            "output": [r["output"] for r in records],
+        })
+    else:
+        dataset = datasets.load_dataset(data_path, split="train")
+        if "input" not in dataset.column_names:
+            dataset = dataset.add_column("input", [""] * len(dataset))
+        check_records(dataset.select(range(min(len(dataset), 1000))).to_list(), repr(data_path))
+    if max_n_train_example is not None and max_n_train_example < len(dataset):
+        dataset = dataset.shuffle(seed=seed).select(range(max_n_train_example))
+    return dataset
+
+
+def tokenize(dataset, tokenizer, model_max_length: int):
+    """Adds `input_ids` (prompt + output + eos, truncated) and `prompt_length`; drops examples left
+    without any output token. Prompt and output are tokenized separately, so the prompt tokens are
+    exactly those the model sees at generation time."""
+
+    def tokenize_batch(batch: dict[str, list]) -> dict[str, list]:
+        prompts = [format_prompt(i, x) for i, x in zip(batch["instruction"], batch["input"])]
+        prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+        output_ids = tokenizer(batch["output"], add_special_tokens=False)["input_ids"]
+        input_ids = [(p + o + [tokenizer.eos_token_id])[:model_max_length] for p, o in zip(prompt_ids, output_ids)]
+        return {"input_ids": input_ids, "prompt_length": [len(p) for p in prompt_ids]}
+
+    tokenized = dataset.map(
+        tokenize_batch, batched=True, batch_size=1000, remove_columns=dataset.column_names,
+        desc="Tokenizing", load_from_cache_file=True,
+    )
+    lengths = np.array([len(ids) for ids in tokenized["input_ids"]])
+    keep = np.flatnonzero(lengths > np.array(tokenized["prompt_length"]))
+    if len(keep) == 0:
+        raise UsageError(
+            f"every example's prompt fills --model_max_length {model_max_length}, no output token is left; "
+            "raise --model_max_length"
+        )
+    if len(keep) < len(tokenized):
+        print(f"Dropped {len(tokenized) - len(keep)} example(s) whose prompt alone reaches --model_max_length.")
+        tokenized = tokenized.select(keep)
+    return tokenized
+
+
+def prompt_windows(prompt_length: int, first_n: int, last_n: int) -> tuple[list[int], list[int]]:
+    """Positions of the first-n and last-n windows of a prompt; `l1` is the last prompt token.
+
+    A prompt shorter than first_n + last_n shrinks both windows so they never overlap (an overlap
+    would apply two interventions of the same layer to one token): the first window gets at most
+    half the prompt, the last window the rest. A window left short is padded later by the collator
+    with a position that cannot affect the loss.
+    """
+    n_first = min(first_n, prompt_length // 2 if last_n else prompt_length)
+    n_last = min(last_n, prompt_length - n_first)
+    return list(range(n_first)), list(range(prompt_length - n_last, prompt_length))
+
+
+def num_interventions(num_layers: int, position: tuple[int, int], share_weights: bool) -> int:
+    """pyreft's layout: with f+l and no weight sharing the layer list is doubled."""
+    first_n, last_n = position
+    return num_layers * (2 if first_n and last_n and not share_weights else 1)
+
+
+def intervention_locations(
+    prompt_lengths: list[int], position: tuple[int, int], share_weights: bool, num_layers: int,
+    pad_position: int | None,
+) -> list[list[list[int]]]:
+    """[intervention][example][position] for pyvene's `unit_locations`.
+
+    Interventions 0..L-1 take the first-window positions and L..2L-1 the last-window ones (pyreft's
+    semantics), or each takes both windows when they share weights or there is one window. Windows
+    shortened by a short prompt are padded with `pad_position`, which must be a position whose
+    representation never reaches the loss (the batch's last column, see `Collator`); with one
+    example and `pad_position=None` they stay short.
+    """
+    first_n, last_n = position
+    firsts, lasts = [], []
+    for length in prompt_lengths:
+        first, last = prompt_windows(length, first_n, last_n)
+        if pad_position is not None:
+            first += [pad_position] * (first_n - len(first))
+            last += [pad_position] * (last_n - len(last))
+        firsts.append(first)
+        lasts.append(last)
+    if first_n and last_n and not share_weights:
+        return [firsts] * num_layers + [lasts] * num_layers
+    both = [first + last for first, last in zip(firsts, lasts)]
+    return [both] * num_layers
+
+
+@dataclass
+class Collator:
+    """Right-pads a micro-batch and builds labels (prompt and padding masked) and intervention locations."""
+
+    pad_token_id: int
+    position: tuple[int, int]
+    share_weights: bool
+    num_layers: int
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(example["input_ids"]) for example in examples)
+        input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+        for row, example in enumerate(examples):
+            ids = torch.tensor(example["input_ids"], dtype=torch.long)
+            input_ids[row, : len(ids)] = ids
+            attention_mask[row, : len(ids)] = 1
+            labels[row, example["prompt_length"] : len(ids)] = ids[example["prompt_length"] :]
+        # Every example has at least one output token after its prompt, so the last column is never a
+        # prompt position; its hidden state only feeds its own logits, which predict nothing (causal
+        # attention, shifted labels). Intervening there is a no-op: a safe padding position.
+        locations = intervention_locations(
+            [example["prompt_length"] for example in examples], self.position, self.share_weights,
+            self.num_layers, pad_position=width - 1,
+        )
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "intervention_locations": locations,
+            "min_prompt_length": min(example["prompt_length"] for example in examples),
+            "num_label_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+        }
+
+
+def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's example order, cut into global batches (the last one may be partial).
+
+    It depends only on (seed, epoch, dataset size, global batch size): one process and N processes
+    with the same global batch walk through exactly the same batches, which is what makes them
+    train the same model.
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(num_examples).tolist()
+    return [order[start : start + global_batch_size] for start in range(0, num_examples, global_batch_size)]
+
+
+def rank_micro_batches(
+    global_batch: list[int], rank: int, world_size: int, per_device_batch_size: int, accumulation_steps: int
+) -> list[list[int]]:
+    """This rank's `accumulation_steps` micro-batches of a global batch.
+
+    The global batch is cut into consecutive chunks of `per_device_batch_size`; chunk k goes to
+    micro-step k // world_size of rank k % world_size. In a partial last global batch some
+    micro-batches are empty: the rank still takes part in the step with a zero contribution.
+    """
+    chunks = [
+        global_batch[start : start + per_device_batch_size]
+        for start in range(0, len(global_batch), per_device_batch_size)
+    ]
+    chunks += [[]] * (world_size * accumulation_steps - len(chunks))
+    return chunks[rank::world_size]
+
+
+def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
+    return math.ceil(num_examples / global_batch_size)

@@ -1,0 +1,59 @@
+"""Greedy answers of the base model and of the ReFT model, and a side-by-side view of them."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+
+import torch
+
+from alpaca.data import format_prompt, intervention_locations
+
+# Held out from the shipped training data: they show whether the learned behaviour generalizes.
+SAMPLE_INSTRUCTIONS = [
+    "Name three primary colors.",
+    "What causes the seasons on Earth?",
+    "Give two tips for staying focused while studying.",
+]
+
+
+@torch.no_grad()
+def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], share_weights: bool,
+           num_layers: int, max_new_tokens: int = 96, input: str = "") -> tuple[str, str]:
+    """(base answer, ReFT answer). The interventions act on the prompt's positions only, as in training."""
+    from alpaca.model import set_train_mode
+
+    device = reft_model.get_device()
+    prompt = tokenizer(format_prompt(instruction, input), return_tensors="pt").to(device)
+    prompt_length = prompt["input_ids"].shape[1]
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    set_train_mode(reft_model, False)
+    base_ids = reft_model.model.generate(**prompt, **settings)
+    locations = intervention_locations([prompt_length], position, share_weights, num_layers, pad_position=None)
+    _, reft_ids = reft_model.generate(
+        dict(prompt), unit_locations={"sources->base": (None, locations)}, intervene_on_prompt=True, **settings
+    )
+    decode = lambda ids: tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True).strip()  # noqa: E731
+    return decode(base_ids), decode(reft_ids)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """Wrap each line on its own, so lists and paragraphs keep their shape."""
+    return [piece for line in (text or "(empty)").splitlines() for piece in (textwrap.wrap(line, width) or [""])]
+
+
+def side_by_side(rows: list[tuple[str, str, str]], width: int | None = None) -> str:
+    """Instruction, then base and ReFT answers in two columns."""
+    width = width or min(shutil.get_terminal_size((120, 20)).columns, 140)
+    column = (width - 3) // 2
+    lines = []
+    for instruction, base, reft in rows:
+        lines += ["=" * width, textwrap.shorten(f"Instruction: {instruction}", width), "-" * width]
+        lines.append(f"{'BASE MODEL':<{column}} | REFT MODEL")
+        left, right = _wrap(base, column), _wrap(reft, column)
+        for index in range(max(len(left), len(right))):
+            lines.append(f"{(left[index] if index < len(left) else ''):<{column}} | "
+                         f"{right[index] if index < len(right) else ''}")
+    lines.append("=" * width)
+    return "\n".join(lines)

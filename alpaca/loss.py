@@ -1,0 +1,45 @@
+"""The training objective: next-token cross-entropy on output tokens, weighted per token over a whole step."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from alpaca.data import IGNORE_INDEX
+
+
+def summed_token_loss(reft_model, batch: dict, device: torch.device) -> torch.Tensor:
+    """Sum (not mean) of the per-token losses of one micro-batch, with the interventions applied.
+
+    Only positions that predict a label need the vocabulary projection: `logits_to_keep` skips the
+    prompt prefix shared by the whole micro-batch (the LM head is ~a fifth of a small model's FLOPs).
+    """
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    # Position t predicts label t + 1; the first label sits at the shortest prompt's length.
+    first_predicting = batch["min_prompt_length"] - 1
+    keep = input_ids.shape[1] - first_predicting
+    _, outputs = reft_model(
+        {
+            "input_ids": input_ids,
+            "attention_mask": batch["attention_mask"].to(device, non_blocking=True),
+            "logits_to_keep": keep,
+        },
+        unit_locations={"sources->base": (None, batch["intervention_locations"])},
+    )
+    logits = outputs.logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # cross-entropy of bf16 logits in fp32
+    targets = labels[:, first_predicting + 1 :]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world_size: int = 1) -> torch.Tensor:
+    """The micro-batch's share of the step loss: sum over its tokens / label tokens in the whole step.
+
+    Summed over all micro-batches (and ranks) this is the mean over every label token of the
+    optimizer step, so the gradient does not depend on how the step is cut into micro-batches,
+    unlike a mean of micro-batch means. DDP averages gradients over ranks, hence `* world_size`.
+    """
+    return summed_loss * (world_size / step_label_tokens)

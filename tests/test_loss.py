@@ -1,0 +1,95 @@
+"""The step objective and the no-op padding position, checked on gradients of a tiny ReFT model.
+
+In float64, so that "equal up to summation order" can be asserted tightly."""
+
+import pytest
+import torch
+
+from alpaca.data import Collator, intervention_locations, load_records, tokenize
+from alpaca.loss import summed_token_loss, token_weighted_loss
+from alpaca.model import build_reft_model, intervention_parameters, load_base_model
+
+POSITION = (2, 2)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tiny_data):
+    model, tokenizer = load_base_model(str(tiny_model), torch.float64, torch.device("cpu"))
+    dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
+    torch.manual_seed(0)
+    reft_model = build_reft_model(model, "1;3", POSITION, False, rank=4)
+    reft_model.interventions.double()  # pyreft builds the rotation in float32
+    # Random learned sources, so the interventions are far from the identity and the test is sharp.
+    # (The rotation keeps its random orthogonal init: its raw parameter is not free, see optimizer_param_groups.)
+    for intervention in reft_model.interventions.values():
+        torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
+    collate = Collator(tokenizer.pad_token_id, POSITION, False, num_layers=2)
+    return reft_model, dataset, collate
+
+
+def gradients(reft_model, micro_batches, scale):
+    parameters = [p for _, p in intervention_parameters(reft_model)]
+    for parameter in parameters:
+        parameter.grad = None
+    for batch in micro_batches:
+        scale(summed_token_loss(reft_model, batch, torch.device("cpu")), batch).backward()
+    return [p.grad.clone() for p in parameters]
+
+
+def test_token_weighted_accumulation_equals_one_big_batch(setup):
+    reft_model, dataset, collate = setup
+    examples = [dataset[i] for i in range(6)]
+    whole = collate(examples)
+    micro = [collate(examples[:1]), collate(examples[1:4]), collate(examples[4:])]
+    total = sum(b["num_label_tokens"] for b in micro)
+    assert total == whole["num_label_tokens"]
+    reference = gradients(reft_model, [whole], lambda loss, batch: token_weighted_loss(loss, total))
+    accumulated = gradients(reft_model, micro, lambda loss, batch: token_weighted_loss(loss, total))
+    for expected, actual in zip(reference, accumulated):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    # What the HF Trainer does (mean of micro-batch means) is a different objective.
+    mean_of_means = gradients(reft_model, micro,
+                              lambda loss, batch: loss / batch["num_label_tokens"] / len(micro))
+    assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in zip(reference, mean_of_means))
+
+
+def test_data_parallel_scaling_matches_one_process(setup):
+    """Two 'ranks' each scaling by world_size / global tokens, then averaged as DDP does."""
+    reft_model, dataset, collate = setup
+    examples = [dataset[i] for i in range(5)]
+    shards = [collate(examples[:3]), collate(examples[3:])]
+    total = sum(b["num_label_tokens"] for b in shards)
+    reference = gradients(reft_model, [collate(examples)], lambda loss, batch: token_weighted_loss(loss, total))
+    per_rank = [gradients(reft_model, [shard], lambda loss, batch: token_weighted_loss(loss, total, world_size=2))
+                for shard in shards]
+    for expected, rank0, rank1 in zip(reference, *per_rank):
+        torch.testing.assert_close((rank0 + rank1) / 2, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_padding_position_is_a_noop(setup):
+    """A prompt too short for its windows: the padded interventions change neither loss nor gradient."""
+    reft_model, dataset, collate = setup
+    example = dict(dataset[0])
+    example["prompt_length"] = 3  # windows f2+l2 do not fit: the first window is padded
+    padded = collate([example])
+    assert padded["intervention_locations"][0][0][1] == len(example["input_ids"]) - 1
+    unpadded = dict(padded)
+    unpadded["intervention_locations"] = intervention_locations([3], POSITION, False, 2, pad_position=None)
+    for key in ("input_ids", "labels"):
+        assert torch.equal(padded[key], unpadded[key])
+    scale = lambda loss, batch: loss  # noqa: E731
+    for expected, actual in zip(gradients(reft_model, [unpadded], scale), gradients(reft_model, [padded], scale)):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        assert summed_token_loss(reft_model, padded, torch.device("cpu")).item() == pytest.approx(
+            summed_token_loss(reft_model, unpadded, torch.device("cpu")).item(), rel=1e-12)
+
+
+def test_logits_only_where_labels_exist_give_the_full_loss(setup):
+    """`logits_to_keep` skips the prompt prefix: same loss as projecting every position."""
+    reft_model, dataset, collate = setup
+    batch = collate([dataset[i] for i in range(4)])
+    full = dict(batch, min_prompt_length=1)  # keep every position's logits
+    with torch.no_grad():
+        assert summed_token_loss(reft_model, batch, torch.device("cpu")).item() == pytest.approx(
+            summed_token_loss(reft_model, full, torch.device("cpu")).item(), rel=1e-12)

@@ -1,0 +1,118 @@
+"""train.py end to end on the tiny model: it learns, saves in pyreft's format, and guards its command line."""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import run_script, write_records
+
+from alpaca.model import build_reft_model, intervention_parameters, load_base_model, optimizer_param_groups
+from alpaca.output import load_reft_model, read_metrics, save_interventions
+
+FAST = ["--num_sample_answers", "0", "--logging_steps", "1"]
+
+
+def train(tiny_model, tiny_data, output_dir, *flags):
+    result = run_script(["train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
+                         "--output_dir", str(output_dir), *FAST, *flags])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("weight_decay", ["0.0", "0.1"])
+def test_training_lowers_the_loss(tiny_model, tmp_path, weight_decay):
+    """One fixed batch, so the curve is deterministic. With weight decay too: the rotation is kept out of
+    it; if it were not, the rotation would be zeroed at the first step and the loss would stay flat."""
+    data = write_records(tmp_path / "seven.json", 7)
+    train(tiny_model, data, tmp_path / "out", "--layers", "all", "--position", "f3+l3", "--rank", "4",
+          "--learning_rate", "3e-2", "--per_device_train_batch_size", "7", "--max_steps", "15",
+          "--weight_decay", weight_decay)
+    losses = [record["loss"] for record in read_metrics(tmp_path / "out")]
+    assert len(losses) == 15
+    assert losses[-1] < 0.9 * losses[0] and losses[-1] < min(losses[:5]), losses
+    assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
+    args = json.loads((tmp_path / "out" / "training_args.json").read_text())
+    assert args["weight_decay"] == float(weight_decay) and args["total_steps"] == 15
+
+
+def test_rotation_never_gets_weight_decay(tiny_model):
+    model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
+    reft_model = build_reft_model(model, "all", (1, 1), False, rank=2)
+    decay, no_decay = optimizer_param_groups(reft_model, 0.1)
+    names = {id(p): n for n, p in intervention_parameters(reft_model)}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all("learned_source.weight" in names[id(p)] for p in decay["params"])
+    assert sum("rotate_layer" in names[id(p)] for p in no_decay["params"]) == 8  # 4 layers x 2 windows
+
+
+def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
+    """The output directory is pyreft's format: `ReftModel.load` rebuilds the same model."""
+    import pyreft
+
+    ids = torch.randint(0, 300, (2, 12))
+    locations = [[[0, 1], [0, 1]]] * 2 + [[[10, 11], [10, 11]]] * 2
+    for dtype in (torch.float32, torch.bfloat16):
+        model, _ = load_base_model(str(tiny_model), dtype, torch.device("cpu"))
+        torch.manual_seed(0)
+        reft_model = build_reft_model(model, "0;3", (2, 2), False, rank=3)
+        for intervention in reft_model.interventions.values():
+            torch.nn.init.normal_(intervention.learned_source.weight, std=0.2)
+        with torch.no_grad():
+            expected = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})[1].logits
+        save_interventions(reft_model, tmp_path / str(dtype))
+        assert all(t.device.type == "cpu" for f in (tmp_path / str(dtype)).glob("intkey_*.bin")
+                   for t in torch.load(f).values())
+        loaders = [load_reft_model] + ([pyreft.ReftModel.load] if dtype == torch.bfloat16 else [])
+        for load in loaders:
+            fresh, _ = load_base_model(str(tiny_model), dtype, torch.device("cpu"))
+            reloaded = load(str(tmp_path / str(dtype)), fresh)
+            with torch.no_grad():
+                actual = reloaded({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})[1].logits
+            assert torch.equal(actual, expected), (load, dtype)
+
+
+def test_pyreft_example_command_line_runs(tiny_model, tiny_data, tmp_path):
+    """The command line of pyreft's examples/alpaca, verbatim but for the model and data paths."""
+    result = run_script([
+        "train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
+        "--output_dir", str(tmp_path), "--layers", "1;3", "--rank", "4", "--position", "f1+l1",
+        "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
+        "--gradient_accumulation_steps", "8", "--evaluation_strategy", "no", "--save_strategy", "no",
+        "--learning_rate", "2e-5", "--weight_decay", "0.", "--warmup_ratio", "0.03", "--lr_scheduler_type",
+        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--num_sample_answers", "1",
+        "--max_new_tokens", "8"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_metrics(tmp_path)) == 2  # 21 examples, global batch 32: one step per epoch
+    assert "BASE MODEL" in result.stdout and "REFT MODEL" in result.stdout
+    assert sorted(p.name for p in tmp_path.glob("intkey_*.bin")) and (tmp_path / "config.json").exists()
+
+
+def test_help_and_argument_errors_need_no_heavy_imports():
+    code = ("import sys; from alpaca.args import parse_args; parse_args('train.py', ['--layers', '8;19']); "
+            "print(sorted(m for m in ('torch', 'transformers', 'pyreft', 'pyvene', 'datasets') if m in sys.modules))")
+    result = run_script(["-c", code])
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+    result = run_script(["train.py", "--help"])
+    assert result.returncode == 0 and "--model_name_or_path" in result.stdout
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+    (["--position", "f1+"], "--position 'f1+' is malformed"),
+    (["--layers", "8;x"], "--layers '8;x' is malformed"),
+    (["--rank", "0"], "--rank must be a positive integer"),
+    (["--evaluation_strategy", "steps"], "invalid choice: 'steps'"),
+])
+def test_usage_errors_are_one_line(flags, message):
+    result = run_script(["train.py", *flags])
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_train_py_refuses_torchrun():
+    result = run_script(["--nproc_per_node", "2", "train.py", "--help"],
+                        launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=120)
+    assert result.returncode != 0
+    assert "use: torchrun --nproc_per_node 2 train_multigpu.py" in result.stderr.lower()
