@@ -21,6 +21,13 @@ EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
 
 
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Where the converted default model and tokenized datasets live (--cache_dir overrides)."""
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reft-alpaca"
+
+
 class UsageError(ValueError):
     """A user mistake: reported as one line and a non-zero exit, never as a traceback."""
 
@@ -70,10 +77,15 @@ def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]
     return parsed
 
 
+def is_main_process() -> bool:
+    """Rank 0, or not distributed. Every rank parses and validates; only rank 0 reports a mistake."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line instead of argparse's usage block: the flag and the problem, then where to look."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if is_main_process() else None)
 
 
 def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
@@ -194,5 +206,6 @@ def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False)
 
 def exit_on_usage_error(prog: str, error: UsageError) -> None:
     """For mistakes found after parsing (e.g. a layer out of range once the model's depth is known)."""
-    print(f"{prog}: error: {error}", file=sys.stderr)
+    if is_main_process():
+        print(f"{prog}: error: {error}", file=sys.stderr)
     raise SystemExit(2)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from alpaca.args import UsageError
+from alpaca.args import UsageError, cache_root
 
 IGNORE_INDEX = -100
 
@@ -116,6 +119,44 @@ def tokenize(dataset, tokenizer, model_max_length: int):
         print(f"Dropped {len(tokenized) - len(keep)} example(s) whose prompt alone reaches --model_max_length.")
         tokenized = tokenized.select(keep)
     return tokenized
+
+
+def _dataset_fingerprint(data_path: str, tokenizer, model_max_length: int, max_n_train_example: int | None,
+                         seed: int) -> str:
+    """Everything the tokenized dataset depends on: the data's bytes (or hub name), the tokenizer's full
+    serialization, the templates and the truncation/subset settings."""
+    digest = hashlib.sha256()
+    if os.path.isfile(data_path):
+        with open(data_path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    else:
+        digest.update(data_path.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
+    digest.update(json.dumps([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id, model_max_length,
+                              max_n_train_example, seed, type(tokenizer).__name__]).encode())
+    return digest.hexdigest()[:24]
+
+
+def prepare_dataset(data_path: str, tokenizer, model_max_length: int, max_n_train_example: int | None = None,
+                    seed: int = 42, cache_dir: str | None = None):
+    """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
+    load it in a second instead of tokenizing again."""
+    import datasets
+
+    path = cache_root(cache_dir) / "tokenized" / _dataset_fingerprint(
+        data_path, tokenizer, model_max_length, max_n_train_example, seed)
+    if not path.exists():
+        dataset = tokenize(load_records(data_path, max_n_train_example, seed), tokenizer, model_max_length)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".staging-", dir=path.parent)
+        dataset.save_to_disk(staging)
+        try:
+            os.rename(staging, path)  # atomic: a concurrent writer or a crash never leaves half a cache
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return datasets.load_from_disk(str(path))
 
 
 def prompt_windows(prompt_length: int, first_n: int, last_n: int) -> tuple[list[int], list[int]]:

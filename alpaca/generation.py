@@ -38,6 +38,14 @@ def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], s
     return decode(base_ids), decode(reft_ids)
 
 
+def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int) -> str:
+    """The end-of-run view: --num_sample_answers held-out instructions, base vs ReFT."""
+    rows = [(instruction, *answer(reft_model, tokenizer, instruction, position, args.share_weights, num_layers,
+                                  args.max_new_tokens))
+            for instruction in SAMPLE_INSTRUCTIONS[: args.num_sample_answers]]
+    return side_by_side(rows)
+
+
 def _wrap(text: str, width: int) -> list[str]:
     """Wrap each line on its own, so lists and paragraphs keep their shape."""
     return [piece for line in (text or "(empty)").splitlines() for piece in (textwrap.wrap(line, width) or [""])]

@@ -12,13 +12,9 @@ from pathlib import Path
 
 import torch
 
-from alpaca.args import EMBEDDED_MODEL, UsageError, parse_layers
+from alpaca.args import EMBEDDED_MODEL, UsageError, cache_root, parse_layers
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reft-alpaca"
 
 
 def embedded_model_dir(cache_dir: str | None = None) -> Path:
@@ -28,8 +24,7 @@ def embedded_model_dir(cache_dir: str | None = None) -> Path:
     rebuild the model from its config and load the state dict before saving. Converting takes ~40 s
     on 2 CPU cores; later loads take a few seconds.
     """
-    target = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = target / "SmolLM2-135M-Instruct"
+    target = cache_root(cache_dir) / "SmolLM2-135M-Instruct"
     if (target / "model.safetensors").exists():
         return target
     # find_spec locates the wheel without importing it (its __init__ needs the `llm` package).
@@ -72,12 +67,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def resolve_model_path(model_name_or_path: str, cache_dir: str | None = None) -> str:
+    """The embedded default becomes its converted directory; anything else is passed to transformers."""
+    if model_name_or_path == EMBEDDED_MODEL:
+        return str(embedded_model_dir(cache_dir))
+    return model_name_or_path
+
+
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device,
                     model_max_length: int = 512, cache_dir: str | None = None):
     """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = str(embedded_model_dir(cache_dir)) if model_name_or_path == EMBEDDED_MODEL else model_name_or_path
+    path = resolve_model_path(model_name_or_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(
         path, model_max_length=model_max_length, padding_side="right", cache_dir=cache_dir
     )
@@ -120,6 +122,18 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations))
     set_train_mode(reft_model, True)
     return reft_model
+
+
+def describe(reft_model, num_examples: int, device) -> str:
+    trainable = sum(p.numel() for _, p in intervention_parameters(reft_model))
+    base = sum(p.numel() for p in reft_model.model.parameters())
+    return (f"{num_examples} examples | {trainable:,} trainable parameters in {len(reft_model.interventions)} "
+            f"interventions | base model {base:,} parameters ({reft_model.model.dtype}) on {device}")
+
+
+def num_intervened_layers(reft_model, position: tuple[int, int], share_weights: bool) -> int:
+    first_n, last_n = position
+    return len(reft_model.interventions) // (2 if first_n and last_n and not share_weights else 1)
 
 
 def set_train_mode(reft_model, training: bool) -> None:

@@ -78,6 +78,9 @@ class MetricsLog:
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
 
+    def records(self) -> list[dict]:
+        return read_metrics(self.path.parent)
+
 
 def read_metrics(directory: str | os.PathLike) -> list[dict]:
     with open(Path(directory) / METRICS_FILE) as file:

@@ -44,6 +44,12 @@ def build_tiny_model(directory: Path, pad_token: bool = False, unk_token: bool =
 
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Tokenized datasets (and any converted model) go to a throwaway cache, not the user's."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

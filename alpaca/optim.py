@@ -1,0 +1,47 @@
+"""Optimizer, schedule and the step plan shared by both scripts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+
+from alpaca.data import steps_per_epoch
+from alpaca.model import optimizer_param_groups
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    global_batch_size: int  # per_device x world_size x accumulation: the same for 1 and N processes
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    logging_interval: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, num_examples: int, world_size: int) -> StepPlan:
+        global_batch_size = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps
+        epoch_steps = steps_per_epoch(num_examples, global_batch_size)
+        total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * epoch_steps)
+        warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
+        # HF semantics: a logging_steps below 1 is a fraction of the run.
+        interval = math.ceil(args.logging_steps * total) if args.logging_steps < 1 else int(args.logging_steps)
+        return cls(global_batch_size, epoch_steps, total, warmup, max(1, interval))
+
+
+def build_optimizer(reft_model, args: argparse.Namespace, plan: StepPlan):
+    """AdamW (rotation and biases without weight decay) and the HF schedule named by --lr_scheduler_type."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW(optimizer_param_groups(reft_model, args.weight_decay), lr=args.learning_rate,
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=plan.warmup_steps,
+                              num_training_steps=plan.total_steps)
+    return optimizer, scheduler
+
+
+def clip_gradients(parameters: list[torch.Tensor], max_grad_norm: float) -> float:
+    """Clip to --max_grad_norm (0 disables) and return the norm before clipping."""
+    return float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm > 0 else math.inf))

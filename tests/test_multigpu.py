@@ -1,0 +1,150 @@
+"""train_multigpu.py under torchrun (gloo, CPU): N processes train exactly the model one process trains."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_script
+
+from alpaca.data import global_batches, rank_micro_batches
+from alpaca.output import read_metrics
+
+COMMON = ["--layers", "1;3", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--num_train_epochs",
+          "3", "--logging_steps", "1", "--num_sample_answers", "0", "--warmup_steps", "2"]
+
+
+def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300):
+    return run_script(["--nproc_per_node", str(nproc), *(extra or []), *args],
+                      launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def intervention_weights(directory) -> dict[str, torch.Tensor]:
+    return {f"{path.name}/{name}": tensor for path in sorted(directory.glob("intkey_*.bin"))
+            for name, tensor in torch.load(path).items()}
+
+
+def assert_same_model(actual_dir, expected_dir):
+    actual, expected = intervention_weights(actual_dir), intervention_weights(expected_dir)
+    assert actual.keys() == expected.keys() and actual
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    actual_losses = [r["loss"] for r in read_metrics(actual_dir)]
+    expected_losses = [r["loss"] for r in read_metrics(expected_dir)]
+    assert actual_losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tiny_data, tmp_path_factory):
+    """21 examples, global batch 8: the last global batch of each epoch is partial (5 examples), and in it
+    rank 1's last micro-batch is empty."""
+    root = tmp_path_factory.mktemp("runs")
+    data = ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), *COMMON]
+    single = run_script(["train.py", *data, "--output_dir", str(root / "single"),
+                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    ddp = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "ddp"),
+                       "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"],
+                   extra=["--log-dir", str(root / "logs"), "--redirects", "3"])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    return root, data
+
+
+def test_two_ranks_train_the_same_model_as_train_py(runs):
+    root, _ = runs
+    assert len(read_metrics(root / "ddp")) == 9  # 3 epochs x 3 global batches
+    assert_same_model(root / "ddp", root / "single")
+
+
+def test_world_size_one_matches_two(runs):
+    root, data = runs
+    result = run_script(["train_multigpu.py", *data, "--output_dir", str(root / "one"),
+                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_model(root / "ddp", root / "one")
+
+
+def test_only_rank_zero_prints_and_writes(runs):
+    root, _ = runs
+    logs = {path.parent.name + "/" + path.name: path.read_text() for path in (root / "logs").rglob("std*.log")}
+    rank0 = [text for name, text in logs.items() if name.startswith("0/") and name.endswith("stdout.log")]
+    rank1 = {name: text for name, text in logs.items() if name.startswith("1/")}
+    assert len(rank0) == 1 and "global batch 8 = 2 per device x 2 processes x 2 accumulation" in rank0[0]
+    assert "Trained 9 steps" in rank0[0]
+    assert rank1 and all(text == "" for text in rank1.values()), rank1
+    written = sorted(path.name for path in (root / "ddp").iterdir())
+    assert written == sorted(["config.json", "loss.png", "metrics.jsonl", "training_args.json"]
+                             + [path.name for path in (root / "single").glob("intkey_*.bin")])
+    assert json.loads((root / "ddp" / "training_args.json").read_text())["world_size"] == 2
+
+
+def test_ranks_see_disjoint_shards_covering_each_epoch_in_a_new_order():
+    world_size, per_device, accumulation, seed = 2, 2, 2, 42
+    orders = []
+    for epoch in range(3):
+        shards = {rank: [] for rank in range(world_size)}
+        for global_batch in global_batches(21, world_size * per_device * accumulation, seed, epoch):
+            for rank in range(world_size):
+                shards[rank] += [i for micro in rank_micro_batches(global_batch, rank, world_size, per_device,
+                                                                   accumulation) for i in micro]
+        assert not set(shards[0]) & set(shards[1])
+        assert sorted(shards[0] + shards[1]) == list(range(21))
+        orders.append(shards[0])
+    assert orders[0] != orders[1] != orders[2]
+
+
+def test_two_nodes_on_localhost_match_one_process(runs):
+    root, data = runs
+    port = free_port()
+    commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                 "--master_addr", "127.0.0.1", "--master_port", str(port), "--nproc_per_node", "1",
+                 "train_multigpu.py", *data, "--output_dir", str(root / "nodes"), "--per_device_train_batch_size",
+                 "2", "--gradient_accumulation_steps", "2"] for node in (0, 1)]
+    nodes = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for command in commands]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert_same_model(root / "nodes", root / "single")
+
+
+def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
+    """On a bf16 model pyreft's own loader rebuilds exactly the interventions we trained."""
+    import pyreft
+
+    from alpaca.model import load_base_model
+
+    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
+                          str(tiny_data), *COMMON, "--max_steps", "2", "--dtype", "bfloat16", "--output_dir",
+                          str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    base, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
+    reft_model = pyreft.ReftModel.load(str(tmp_path), base)
+    saved = intervention_weights(tmp_path)
+    for key, intervention in reft_model.interventions.items():
+        assert torch.equal(intervention.learned_source.weight, saved[f"intkey_{key}.bin/weight"])
+        assert torch.equal(intervention.rotate_layer.weight, saved[f"intkey_{key}.bin/rotate_layer"])
+    ids = torch.randint(0, 300, (1, 12))
+    locations = [[[0, 1]]] * 2 + [[[10, 11]]] * 2
+    _, outputs = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})
+    assert torch.isfinite(outputs.logits).all()
+
+
+def test_pyreft_command_line_on_four_processes(tiny_model, tiny_data, tmp_path):
+    """The README's multi-GPU command line, verbatim but for the model and data paths."""
+    result = torchrun(4, [
+        "train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
+        "--output_dir", str(tmp_path), "--layers", "1;3", "--rank", "4", "--position", "f1+l1",
+        "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
+        "--gradient_accumulation_steps", "8", "--evaluation_strategy", "no", "--save_strategy", "no",
+        "--learning_rate", "2e-5", "--weight_decay", "0.", "--warmup_ratio", "0.03", "--lr_scheduler_type",
+        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--num_sample_answers", "0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_metrics(tmp_path)) == 2  # 21 examples in a global batch of 128: one step per epoch

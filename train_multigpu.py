@@ -1,0 +1,241 @@
+"""Train LoReFT interventions on Alpaca instruction data on N processes (DDP), the same model as train.py.
+
+    torchrun --nproc_per_node 8 train_multigpu.py <train.py flags>
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 --nproc_per_node 8 train_multigpu.py ...
+    accelerate launch --num_processes 8 train_multigpu.py ...
+    python train_multigpu.py ...         # one process
+
+Every rank walks the same global batch plan as train.py (per_device x world_size x accumulation examples
+a step) and takes its own share of each global batch; the loss is weighted by the label tokens of the
+whole global batch. So N processes compute the gradient one process computes, and train the same model.
+"""
+
+import os
+
+from alpaca.args import UsageError, exit_on_usage_error, parse_args
+
+PROG = "train_multigpu.py"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(PROG, argv, multigpu=True)  # before the heavy imports: --help and usage errors are instant
+    try:
+        train(args)
+    except UsageError as error:
+        exit_on_usage_error(PROG, error)
+
+
+def train(args) -> None:
+    import contextlib
+    import datetime
+    import resource
+    import socket
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from tqdm.auto import tqdm
+
+    from alpaca.args import parse_position
+    from alpaca.data import Collator, global_batches, prepare_dataset, rank_micro_batches
+    from alpaca.distributed import first_on_local_main, run_checked
+    from alpaca.generation import sample_answers
+    from alpaca.loss import summed_token_loss, token_weighted_loss
+    from alpaca.model import (
+        build_reft_model,
+        describe,
+        intervention_parameters,
+        load_base_model,
+        num_intervened_layers,
+        resolve_dtype,
+        resolve_model_path,
+    )
+    from alpaca.optim import StepPlan, build_optimizer, clip_gradients
+    from alpaca.output import MetricsLog, plot_loss, save_args, save_interventions
+
+    started = time.perf_counter()
+    # -- process group: torchrun / accelerate set these; plain `python` is a world of one ----------------
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free_port = probe.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        device = torch.device("cpu")
+    backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
+                            device_id=device if device.type == "cuda" else None)
+    is_main = rank == 0
+    if not is_main:  # other ranks print errors only
+        quiet_non_main_rank()
+    try:
+        position = parse_position(args.position)
+
+        # -- model and data: caches are filled by each node's first process, then read by the others --
+        model_path = first_on_local_main(lambda: resolve_model_path(args.model_name_or_path, args.cache_dir),
+                                         local_rank, device)
+        model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
+                                           args.model_max_length, args.cache_dir)
+        dataset = first_on_local_main(
+            lambda: prepare_dataset(args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
+                                    args.seed, args.cache_dir), local_rank, device)
+        torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
+        reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
+                                      args.intervention)
+        torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
+        num_layers = num_intervened_layers(reft_model, position, args.share_weights)
+        collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers)
+        parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+
+        # -- DDP: only the interventions train; the frozen base is neither broadcast nor reduced --------
+        # Buffers (rotary tables, the rotation's fixed base) never change: no re-broadcast before each forward.
+        ddp_model = DistributedDataParallel(reft_model, device_ids=[local_rank] if device.type == "cuda" else None,
+                                            find_unused_parameters=False, forward_sync_buffers=False)
+        check_replicated(ddp_model, parameters, device)
+
+        # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
+        plan = StepPlan.from_args(args, len(dataset), world_size)
+        optimizer, scheduler = build_optimizer(reft_model, args, plan)
+        if is_main:
+            print(f"{describe(reft_model, len(dataset), device)}\n"
+                  f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
+                  f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
+                  f"steps ({plan.steps_per_epoch} per epoch) | {backend} | ready in "
+                  f"{time.perf_counter() - started:.1f}s", flush=True)
+            os.makedirs(args.output_dir, exist_ok=True)
+            save_args(args, args.output_dir, world_size=world_size, global_batch_size=plan.global_batch_size,
+                      total_steps=plan.total_steps)
+            metrics = MetricsLog(args.output_dir)
+
+        # -- train ------------------------------------------------------------------------------------
+        # A rank whose share of a (partial, last) global batch is empty still runs its last micro-step on
+        # this batch with zero weight: DDP's gradient all-reduce needs every rank.
+        placeholder = collate([dataset[0]])
+        progress = tqdm(total=plan.total_steps, desc="training", dynamic_ncols=True, disable=not is_main)
+        step, epoch, train_start = 0, 0, time.perf_counter()
+        window = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, label tokens, tokens seen
+        rank_tokens = 0
+        window_start = time.perf_counter()
+        while step < plan.total_steps:
+            for global_batch in global_batches(len(dataset), plan.global_batch_size, args.seed, epoch):
+                micro_batches = rank_micro_batches(global_batch, rank, world_size, args.per_device_train_batch_size,
+                                                   args.gradient_accumulation_steps)
+                batches = [collate([dataset[i] for i in indices]) if indices else None for indices in micro_batches]
+                step_label_tokens = torch.tensor(sum(b["num_label_tokens"] for b in batches if b), device=device)
+                dist.all_reduce(step_label_tokens)
+                step_label_tokens = int(step_label_tokens)
+                learning_rate = scheduler.get_last_lr()[0]
+                for index, batch in enumerate(batches):
+                    last = index == len(batches) - 1
+                    if batch is None and not last:
+                        continue
+                    # Gradients are all-reduced once per optimizer step, on the last micro-batch.
+                    with contextlib.nullcontext() if last else ddp_model.no_sync():
+                        summed_loss = summed_token_loss(ddp_model, batch or placeholder, device)
+                        if batch is None:
+                            summed_loss = summed_loss * 0.0
+                        token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
+                    if batch is not None:
+                        seen = int(batch["attention_mask"].sum())
+                        window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
+                                               dtype=torch.float64, device=device)
+                        rank_tokens += seen
+                grad_norm = clip_gradients(parameters, args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                progress.update()
+                if step % plan.logging_interval == 0 or step == plan.total_steps:
+                    dist.all_reduce(window)  # the global loss and throughput, not rank 0's
+                    loss_sum, label_tokens, seen = window.tolist()
+                    elapsed = time.perf_counter() - window_start
+                    if is_main:
+                        record = {"step": step, "epoch": round(step / plan.steps_per_epoch, 4),
+                                  "loss": loss_sum / label_tokens, "learning_rate": learning_rate,
+                                  "grad_norm": grad_norm, "tokens_per_s": seen / elapsed,
+                                  "elapsed_s": time.perf_counter() - train_start}
+                        metrics.write(record)
+                        progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{learning_rate:.2e}",
+                                             tok_s=f"{record['tokens_per_s']:.0f}")
+                    window.zero_()
+                    window_start = time.perf_counter()
+                if step == plan.total_steps:
+                    break
+            epoch += 1
+        progress.close()
+        train_time = time.perf_counter() - train_start
+
+        # -- report: throughput and peak memory of every rank ---------------------------------------------
+        peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        per_rank = torch.tensor([rank_tokens / train_time, peak_memory], dtype=torch.float64, device=device)
+        gathered = [torch.zeros_like(per_rank) for _ in range(world_size)]
+        dist.all_gather(gathered, per_rank)
+
+        # -- output: rank 0 writes; if that fails, every rank exits with an error instead of hanging ---------
+        def write_outputs() -> None:
+            save_interventions(reft_model, args.output_dir)
+            plot_loss(args.output_dir)
+            losses = [record["loss"] for record in metrics.records()]
+            rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB"
+                              for r, (t, m) in enumerate(row.tolist() for row in gathered))
+            print(f"Trained {step} steps in {train_time:.0f}s on {world_size} processes: "
+                  f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); loss {losses[0]:.4f} -> "
+                  f"{losses[-1]:.4f}. Interventions (pyreft format), arguments, metrics and loss.png in "
+                  f"{args.output_dir}/")
+            if args.num_sample_answers > 0:
+                print(sample_answers(reft_model, tokenizer, args, position, num_layers))
+            print(f"Done in {time.perf_counter() - started:.0f}s.")
+
+        run_checked(write_outputs, participate=is_main, device=device)
+    finally:
+        dist.destroy_process_group()
+
+
+def quiet_non_main_rank() -> None:
+    """Ranks other than 0 print errors only: no stdout, progress bars or library warnings."""
+    import logging
+    import sys
+    import warnings
+
+    import datasets
+    import transformers
+
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)  # pyvene warns through the root logger
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+
+def check_replicated(ddp_model, parameters: list, device) -> None:
+    """Every trainable parameter is one DDP synchronizes, and all ranks start from identical values."""
+    import torch
+    import torch.distributed as dist
+
+    synchronized = {id(p) for module in ddp_model.module.modules() for p in module.parameters(recurse=False)
+                    if p.requires_grad}
+    missing = [p for p in parameters if id(p) not in synchronized]
+    if missing:
+        raise RuntimeError(f"{len(missing)} trainable parameters are outside the DDP module; they would diverge")
+    checksum = torch.stack([p.detach().double().sum() for p in parameters]).to(device)
+    lowest, highest = checksum.clone(), checksum.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    if not torch.equal(lowest, highest):
+        raise RuntimeError("the interventions differ across ranks after DDP's broadcast")
+
+
+if __name__ == "__main__":
+    main()
