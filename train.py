@@ -84,9 +84,9 @@ def train(args) -> None:
 
     # -- train --------------------------------------------------------------------------------------
     os.makedirs(args.output_dir, exist_ok=True)
-    save_args(args, args.output_dir, world_size=1, global_batch_size=plan.global_batch_size,
-              total_steps=plan.total_steps)
-    metrics = MetricsLog(args.output_dir)
+    resolved = dict(world_size=1, global_batch_size=plan.global_batch_size, total_steps=plan.total_steps)
+    save_args(args, args.output_dir, **resolved)
+    metrics = MetricsLog(args.output_dir, args, **resolved)
     progress = tqdm(total=plan.total_steps, desc="training", dynamic_ncols=True)
     step, epoch, train_start, total_tokens = 0, 0, time.perf_counter(), 0
     window = {"loss": 0.0, "label_tokens": 0, "tokens": 0, "start": time.perf_counter()}
@@ -128,6 +128,7 @@ def train(args) -> None:
 
     # -- output ---------------------------------------------------------------------------------------
     save_interventions(reft_model, args.output_dir)
+    metrics.close()
     plot_loss(args.output_dir)
     losses = [record["loss"] for record in metrics.records()]
     print(f"Trained {step} steps in {train_time:.0f}s ({total_tokens / train_time:.0f} tokens/s); loss "

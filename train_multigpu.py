@@ -111,15 +111,17 @@ def train(args) -> None:
                   f"steps ({plan.steps_per_epoch} per epoch) | {backend} | ready in "
                   f"{time.perf_counter() - started:.1f}s", flush=True)
             os.makedirs(args.output_dir, exist_ok=True)
-            save_args(args, args.output_dir, world_size=world_size, global_batch_size=plan.global_batch_size,
-                      total_steps=plan.total_steps)
-            metrics = MetricsLog(args.output_dir)
+            resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
+                            total_steps=plan.total_steps)
+            save_args(args, args.output_dir, **resolved)
+            metrics = MetricsLog(args.output_dir, args, **resolved)
 
         # -- train ------------------------------------------------------------------------------------
         # A rank whose share of a (partial, last) global batch is empty still runs its last micro-step on
         # this batch with zero weight: DDP's gradient all-reduce needs every rank.
         placeholder = collate([dataset[0]])
         progress = tqdm(total=plan.total_steps, desc="training", dynamic_ncols=True, disable=not is_main)
+        dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
         step, epoch, train_start = 0, 0, time.perf_counter()
         window = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, label tokens, tokens seen
         rank_tokens = 0
@@ -184,6 +186,7 @@ def train(args) -> None:
         # -- output: rank 0 writes; if that fails, every rank exits with an error instead of hanging ---------
         def write_outputs() -> None:
             save_interventions(reft_model, args.output_dir)
+            metrics.close()
             plot_loss(args.output_dir)
             losses = [record["loss"] for record in metrics.records()]
             rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB"

@@ -153,7 +153,10 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="evaluation during training is not implemented yet")
     flag("--save_strategy", default="no", choices=["no"],
          help="periodic checkpoints are not implemented yet; the final interventions are always saved")
-    flag("--report_to", default="none", choices=["none"], help="experiment tracker")
+    flag("--report_to", default="none", choices=["none", "wandb"],
+         help="experiment tracker (rank 0 only); wandb runs offline when not logged in")
+    flag("--run_name", default=None, help="wandb run name")
+    flag("--wandb_project", default="reft-alpaca")
     flag("--num_sample_answers", type=int, default=3,
          help="at the end, print this many instructions with base and ReFT answers side by side (0: off)")
     flag("--max_new_tokens", type=int, default=96, help="length of those sample answers")

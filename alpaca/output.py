@@ -6,10 +6,12 @@ import argparse
 import contextlib
 import io
 import json
+import netrc
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -67,19 +69,51 @@ def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `metrics.jsonl`."""
+    """One JSON object per logged step in `metrics.jsonl`, and in wandb with `--report_to wandb`."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, args: argparse.Namespace, **resolved):
         self.path = Path(directory) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
+        self.wandb_run = start_wandb(args, {**vars(args), **resolved}) if args.report_to == "wandb" else None
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"train/{key}": value for key, value in record.items() if key != "step"},
+                               step=record["step"])
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
     def records(self) -> list[dict]:
         return read_metrics(self.path.parent)
+
+
+def _has_wandb_credentials() -> bool:
+    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def start_wandb(args: argparse.Namespace, config: dict):
+    """A wandb run that never prompts: without credentials (and no WANDB_MODE) it runs offline."""
+    import wandb
+
+    offline = "WANDB_MODE" not in os.environ and not _has_wandb_credentials()
+    run = wandb.init(project=args.wandb_project, name=args.run_name, config=config, dir=args.output_dir,
+                     mode="offline" if offline else None)
+    if offline:
+        print(f"wandb: not logged in, so this run is logged offline in {run.dir}; upload it later with: "
+              f"wandb sync {Path(run.dir).parent}")
+    return run
 
 
 def read_metrics(directory: str | os.PathLike) -> list[dict]:

@@ -73,4 +73,6 @@ def run_script(args: list[str], cwd: Path = REPO, env: dict | None = None, timeo
     """Run one of the project's scripts in a fresh interpreter (as a user would) and capture its output."""
     command = (launcher or [sys.executable]) + args
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):  # tests never reach wandb's servers
+        full_env.pop(name, None)
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -148,3 +148,14 @@ def test_pyreft_command_line_on_four_processes(tiny_model, tiny_data, tmp_path):
         "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--num_sample_answers", "0"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(read_metrics(tmp_path)) == 2  # 21 examples in a global batch of 128: one step per epoch
+
+
+def test_wandb_offline_gives_one_run_for_all_ranks(tiny_model, tiny_data, tmp_path):
+    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
+                          str(tiny_data), *COMMON, "--max_steps", "2", "--report_to", "wandb", "--output_dir",
+                          str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    assert "logged offline" in result.stdout and "wandb sync" in result.stdout
+    assert b"train/loss" in next(runs[0].glob("run-*.wandb")).read_bytes()
