@@ -159,3 +159,15 @@ def test_wandb_offline_gives_one_run_for_all_ranks(tiny_model, tiny_data, tmp_pa
     assert len(runs) == 1, runs
     assert "logged offline" in result.stdout and "wandb sync" in result.stdout
     assert b"train/loss" in next(runs[0].glob("run-*.wandb")).read_bytes()
+
+
+def test_accelerate_launch_matches_torchrun(runs):
+    root, data = runs
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    result = run_script(["train_multigpu.py", *data, "--output_dir", str(root / "accelerate"),
+                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"],
+                        launcher=accelerate)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes x 2 accumulation" in result.stdout
+    assert_same_model(root / "accelerate", root / "single")
