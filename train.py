@@ -35,11 +35,23 @@ def train(args) -> None:
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position
-    from alpaca.data import Collator, global_batches, prepare_dataset, rank_micro_batches
+    from alpaca.checkpoint import (
+        StopSignal,
+        check_resumable,
+        load_checkpoint,
+        load_intervention_states,
+        prepare_output_dir,
+        restore_rng_state,
+        rng_state,
+        save_checkpoint,
+        trainer_state,
+    )
+    from alpaca.data import Collator, iterate_global_batches, prepare_dataset, rank_micro_batches
     from alpaca.generation import sample_answers
     from alpaca.loss import summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,
+        check_model,
         describe,
         intervention_parameters,
         load_base_model,
@@ -61,9 +73,11 @@ def train(args) -> None:
     else:
         device = torch.device("cpu")
     position = parse_position(args.position)
+    resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
     # -- model and data -----------------------------------------------------------------------------
-    model, tokenizer = load_base_model(args.model_name_or_path, resolve_dtype(args.dtype, device), device,
+    model_path = check_model(args)  # layers and rank against the model's config, before its weights load
+    model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
                                        args.model_max_length, args.cache_dir)
     dataset = prepare_dataset(args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
                               args.seed, args.cache_dir)
@@ -77,52 +91,79 @@ def train(args) -> None:
     # -- optimization: global batch = per_device x 1 process x accumulation ---------------------------
     plan = StepPlan.from_args(args, len(dataset), world_size=1)
     optimizer, scheduler = build_optimizer(reft_model, args, plan)
+    step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
+    if resume_from is not None:
+        states, saved = load_checkpoint(resume_from)
+        check_resumable(saved, args, 1, len(dataset))
+        load_intervention_states(reft_model, states)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        if saved["geometry"]["world_size"] == 1:
+            restore_rng_state(saved["rng"][0], device)
+        step, start_epoch, start_batch, window = saved["step"], saved["epoch"], saved["next_batch"], saved["window"]
+        wandb_run_id = saved["wandb_run_id"]
     print(f"{describe(reft_model, len(dataset), device)}\n"
           f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
           f"{args.gradient_accumulation_steps} accumulation | {plan.total_steps} steps ({plan.steps_per_epoch} "
-          f"per epoch) | ready in {time.perf_counter() - started:.1f}s")
+          f"per epoch)" + (f" | resuming {resume_from} at step {step}" if resume_from else "")
+          + f" | ready in {time.perf_counter() - started:.1f}s")
 
     # -- train --------------------------------------------------------------------------------------
-    os.makedirs(args.output_dir, exist_ok=True)
     resolved = dict(world_size=1, global_batch_size=plan.global_batch_size, total_steps=plan.total_steps)
     save_args(args, args.output_dir, **resolved)
-    metrics = MetricsLog(args.output_dir, args, **resolved)
-    progress = tqdm(total=plan.total_steps, desc="training", dynamic_ncols=True)
-    step, epoch, train_start, total_tokens = 0, 0, time.perf_counter(), 0
-    window = {"loss": 0.0, "label_tokens": 0, "tokens": 0, "start": time.perf_counter()}
-    while step < plan.total_steps:
-        for global_batch in global_batches(len(dataset), plan.global_batch_size, args.seed, epoch):
-            micro_batches = rank_micro_batches(global_batch, 0, 1, args.per_device_train_batch_size,
-                                               args.gradient_accumulation_steps)
-            batches = [collate([dataset[i] for i in indices]) for indices in micro_batches if indices]
-            step_label_tokens = sum(batch["num_label_tokens"] for batch in batches)
-            learning_rate = scheduler.get_last_lr()[0]
-            for batch in batches:
-                summed_loss = summed_token_loss(reft_model, batch, device)
-                token_weighted_loss(summed_loss, step_label_tokens).backward()
-                window["loss"] += summed_loss.item()
-                window["tokens"] += int(batch["attention_mask"].sum())
-            window["label_tokens"] += step_label_tokens
-            grad_norm = clip_gradients(parameters, args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            progress.update()
-            if step % plan.logging_interval == 0 or step == plan.total_steps:
-                elapsed = time.perf_counter() - window["start"]
-                record = {"step": step, "epoch": round(step / plan.steps_per_epoch, 4),
-                          "loss": window["loss"] / window["label_tokens"], "learning_rate": learning_rate,
-                          "grad_norm": grad_norm, "tokens_per_s": window["tokens"] / elapsed,
-                          "elapsed_s": time.perf_counter() - train_start}
-                metrics.write(record)
-                progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{learning_rate:.2e}",
-                                     tok_s=f"{record['tokens_per_s']:.0f}")
-                total_tokens += window["tokens"]
-                window = {"loss": 0.0, "label_tokens": 0, "tokens": 0, "start": time.perf_counter()}
-            if step == plan.total_steps:
-                break
-        epoch += 1
+    metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
+    stop = StopSignal()
+
+    def checkpoint(epoch: int, next_batch: int):
+        """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the plan."""
+        return save_checkpoint(args.output_dir, step, reft_model, trainer_state(
+            step=step, epoch=epoch, next_batch=next_batch, window=window.tolist(), optimizer=optimizer,
+            scheduler=scheduler, rng_states=[rng_state(device)], args=args, world_size=1,
+            num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit)
+
+    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True)
+    window = torch.tensor(window, dtype=torch.float64)  # summed loss, label tokens, tokens seen since the last log
+    train_start = window_start = time.perf_counter()
+    total_tokens = 0
+    for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
+            len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch):
+        if step == plan.total_steps:
+            break
+        if stop.received:  # preempted: checkpoint the last finished step, then exit non-zero
+            path = checkpoint(epoch, next_batch=index)
+            metrics.close()
+            sys.exit(f"{PROG}: stopped by {stop.name} after step {step}; checkpoint in {path}. "
+                     f"Resume with --resume_from_checkpoint auto")
+        micro_batches = rank_micro_batches(global_batch, 0, 1, args.per_device_train_batch_size,
+                                           args.gradient_accumulation_steps)
+        batches = [collate([dataset[i] for i in indices]) for indices in micro_batches if indices]
+        step_label_tokens = sum(batch["num_label_tokens"] for batch in batches)
+        learning_rate = scheduler.get_last_lr()[0]
+        for batch in batches:
+            summed_loss = summed_token_loss(reft_model, batch, device)
+            token_weighted_loss(summed_loss, step_label_tokens).backward()
+            window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], int(batch["attention_mask"].sum())],
+                                   dtype=torch.float64)
+        grad_norm = clip_gradients(parameters, args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        progress.update()
+        if plan.should_log(step):
+            loss_sum, label_tokens, seen = window.tolist()
+            record = {"step": step, "epoch": round(step / plan.steps_per_epoch, 4), "loss": loss_sum / label_tokens,
+                      "learning_rate": learning_rate, "grad_norm": grad_norm,
+                      "tokens_per_s": seen / (time.perf_counter() - window_start),
+                      "elapsed_s": time.perf_counter() - train_start}
+            metrics.write(record)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{learning_rate:.2e}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
+            total_tokens += seen
+            window.zero_()
+            window_start = time.perf_counter()
+        if plan.should_save(step, end_of_epoch, args.save_strategy):
+            checkpoint(epoch, next_batch=index + 1)
     progress.close()
     train_time = time.perf_counter() - train_start
 
@@ -131,7 +172,7 @@ def train(args) -> None:
     metrics.close()
     plot_loss(args.output_dir)
     losses = [record["loss"] for record in metrics.records()]
-    print(f"Trained {step} steps in {train_time:.0f}s ({total_tokens / train_time:.0f} tokens/s); loss "
+    print(f"Trained to step {step} in {train_time:.0f}s ({total_tokens / train_time:.0f} tokens/s); loss "
           f"{losses[0]:.4f} -> {losses[-1]:.4f}. Interventions (pyreft format), arguments, metrics and loss.png "
           f"in {args.output_dir}/")
     if args.num_sample_answers > 0:

@@ -30,6 +30,7 @@ def train(args) -> None:
     import datetime
     import resource
     import socket
+    import sys
     import time
 
     import torch
@@ -38,18 +39,29 @@ def train(args) -> None:
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position
-    from alpaca.data import Collator, global_batches, prepare_dataset, rank_micro_batches
+    from alpaca.checkpoint import (
+        StopSignal,
+        check_resumable,
+        load_checkpoint,
+        load_intervention_states,
+        prepare_output_dir,
+        restore_rng_state,
+        rng_state,
+        save_checkpoint,
+        trainer_state,
+    )
+    from alpaca.data import Collator, iterate_global_batches, prepare_dataset, rank_micro_batches
     from alpaca.distributed import first_on_local_main, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,
+        check_model,
         describe,
         intervention_parameters,
         load_base_model,
         num_intervened_layers,
         resolve_dtype,
-        resolve_model_path,
     )
     from alpaca.optim import StepPlan, build_optimizer, clip_gradients
     from alpaca.output import MetricsLog, plot_loss, save_args, save_interventions
@@ -76,17 +88,22 @@ def train(args) -> None:
     is_main = rank == 0
     if not is_main:  # other ranks print errors only
         quiet_non_main_rank()
+    stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
     try:
         position = parse_position(args.position)
+        # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
+        resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
 
         # -- model and data: caches are filled by each node's first process, then read by the others --
-        model_path = first_on_local_main(lambda: resolve_model_path(args.model_name_or_path, args.cache_dir),
-                                         local_rank, device)
+        model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
         model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
                                            args.model_max_length, args.cache_dir)
         dataset = first_on_local_main(
             lambda: prepare_dataset(args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
                                     args.seed, args.cache_dir), local_rank, device)
+        if len(dataset) < world_size:
+            raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
+                             "at least one; use fewer processes or more data")
         torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
         reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
                                       args.intervention)
@@ -95,84 +112,124 @@ def train(args) -> None:
         collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers)
         parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
 
+        # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
+        plan = StepPlan.from_args(args, len(dataset), world_size)
+        optimizer, scheduler = build_optimizer(reft_model, args, plan)
+        step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
+        # broadcast_object_list needs the resume decision on every rank, not only rank 0
+        resume = [resume_from]
+        dist.broadcast_object_list(resume, src=0)
+        if resume[0] is not None:
+            # Rank 0 reads the checkpoint and sends it: other nodes need not see rank 0's disk.
+            loaded = [run_checked(lambda: load_checkpoint(resume[0]), participate=is_main, device=device)]
+            dist.broadcast_object_list(loaded, src=0)
+            states, saved = loaded[0]
+            check_resumable(saved, args, world_size, len(dataset))
+            load_intervention_states(reft_model, states)
+            optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            if saved["geometry"]["world_size"] == world_size:  # else dropout streams restart: same plan
+                restore_rng_state(saved["rng"][rank], device)
+            step, start_epoch, start_batch = saved["step"], saved["epoch"], saved["next_batch"]
+            window = saved["window"] if is_main else window  # the saved window is the sum over ranks
+            wandb_run_id = saved["wandb_run_id"]
+
         # -- DDP: only the interventions train; the frozen base is neither broadcast nor reduced --------
         # Buffers (rotary tables, the rotation's fixed base) never change: no re-broadcast before each forward.
         ddp_model = DistributedDataParallel(reft_model, device_ids=[local_rank] if device.type == "cuda" else None,
                                             find_unused_parameters=False, forward_sync_buffers=False)
         check_replicated(ddp_model, parameters, device)
-
-        # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
-        plan = StepPlan.from_args(args, len(dataset), world_size)
-        optimizer, scheduler = build_optimizer(reft_model, args, plan)
         if is_main:
             print(f"{describe(reft_model, len(dataset), device)}\n"
                   f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
                   f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
-                  f"steps ({plan.steps_per_epoch} per epoch) | {backend} | ready in "
-                  f"{time.perf_counter() - started:.1f}s", flush=True)
-            os.makedirs(args.output_dir, exist_ok=True)
+                  f"steps ({plan.steps_per_epoch} per epoch) | {backend}"
+                  + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
+                  + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
             resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
                             total_steps=plan.total_steps)
             save_args(args, args.output_dir, **resolved)
-            metrics = MetricsLog(args.output_dir, args, **resolved)
+            metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
+
+        def checkpoint(epoch: int, next_batch: int):
+            """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
+            rng_states = [None] * world_size
+            dist.all_gather_object(rng_states, rng_state(device))
+            global_window = window.clone()  # the logging window so far, summed over ranks
+            dist.all_reduce(global_window)
+            return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
+                step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(), optimizer=optimizer,
+                scheduler=scheduler, rng_states=rng_states, args=args, world_size=world_size,
+                num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit),
+                participate=is_main, device=device)
 
         # -- train ------------------------------------------------------------------------------------
         # A rank whose share of a (partial, last) global batch is empty still runs its last micro-step on
         # this batch with zero weight: DDP's gradient all-reduce needs every rank.
         placeholder = collate([dataset[0]])
-        progress = tqdm(total=plan.total_steps, desc="training", dynamic_ncols=True, disable=not is_main)
-        dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
-        step, epoch, train_start = 0, 0, time.perf_counter()
-        window = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, label tokens, tokens seen
+        progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
+                        disable=not is_main)
+        window = torch.tensor(window, dtype=torch.float64, device=device)  # loss sum, label tokens, tokens seen
         rank_tokens = 0
-        window_start = time.perf_counter()
-        while step < plan.total_steps:
-            for global_batch in global_batches(len(dataset), plan.global_batch_size, args.seed, epoch):
-                micro_batches = rank_micro_batches(global_batch, rank, world_size, args.per_device_train_batch_size,
-                                                   args.gradient_accumulation_steps)
-                batches = [collate([dataset[i] for i in indices]) if indices else None for indices in micro_batches]
-                step_label_tokens = torch.tensor(sum(b["num_label_tokens"] for b in batches if b), device=device)
-                dist.all_reduce(step_label_tokens)
-                step_label_tokens = int(step_label_tokens)
-                learning_rate = scheduler.get_last_lr()[0]
-                for index, batch in enumerate(batches):
-                    last = index == len(batches) - 1
-                    if batch is None and not last:
-                        continue
-                    # Gradients are all-reduced once per optimizer step, on the last micro-batch.
-                    with contextlib.nullcontext() if last else ddp_model.no_sync():
-                        summed_loss = summed_token_loss(ddp_model, batch or placeholder, device)
-                        if batch is None:
-                            summed_loss = summed_loss * 0.0
-                        token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
-                    if batch is not None:
-                        seen = int(batch["attention_mask"].sum())
-                        window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
-                                               dtype=torch.float64, device=device)
-                        rank_tokens += seen
-                grad_norm = clip_gradients(parameters, args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                progress.update()
-                if step % plan.logging_interval == 0 or step == plan.total_steps:
-                    dist.all_reduce(window)  # the global loss and throughput, not rank 0's
-                    loss_sum, label_tokens, seen = window.tolist()
-                    elapsed = time.perf_counter() - window_start
-                    if is_main:
-                        record = {"step": step, "epoch": round(step / plan.steps_per_epoch, 4),
-                                  "loss": loss_sum / label_tokens, "learning_rate": learning_rate,
-                                  "grad_norm": grad_norm, "tokens_per_s": seen / elapsed,
-                                  "elapsed_s": time.perf_counter() - train_start}
-                        metrics.write(record)
-                        progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{learning_rate:.2e}",
-                                             tok_s=f"{record['tokens_per_s']:.0f}")
-                    window.zero_()
-                    window_start = time.perf_counter()
-                if step == plan.total_steps:
-                    break
-            epoch += 1
+        dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
+        train_start = window_start = time.perf_counter()
+        for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
+                len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch):
+            if step == plan.total_steps:
+                break
+            micro_batches = rank_micro_batches(global_batch, rank, world_size, args.per_device_train_batch_size,
+                                               args.gradient_accumulation_steps)
+            batches = [collate([dataset[i] for i in indices]) if indices else None for indices in micro_batches]
+            # One all-reduce gives the step's label tokens and whether any rank was asked to stop.
+            agreed = torch.tensor([sum(b["num_label_tokens"] for b in batches if b), stop.received is not None],
+                                  device=device)
+            dist.all_reduce(agreed)
+            step_label_tokens, stopping = agreed.tolist()
+            if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
+                path = checkpoint(epoch, next_batch=index)
+                if is_main:
+                    metrics.close()
+                    print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; "
+                          f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
+                sys.exit(stop.exit_code if stop.received else 1)
+            learning_rate = scheduler.get_last_lr()[0]
+            for micro_step, batch in enumerate(batches):
+                last = micro_step == len(batches) - 1
+                if batch is None and not last:
+                    continue
+                # Gradients are all-reduced once per optimizer step, on the last micro-batch.
+                with contextlib.nullcontext() if last else ddp_model.no_sync():
+                    summed_loss = summed_token_loss(ddp_model, batch or placeholder, device)
+                    if batch is None:
+                        summed_loss = summed_loss * 0.0
+                    token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
+                if batch is not None:
+                    seen = int(batch["attention_mask"].sum())
+                    window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
+                                           dtype=torch.float64, device=device)
+                    rank_tokens += seen
+            grad_norm = clip_gradients(parameters, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            progress.update()
+            if plan.should_log(step):
+                logged = window.clone()
+                dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
+                loss_sum, label_tokens, seen = logged.tolist()
+                if is_main:
+                    record = {"step": step, "epoch": round(step / plan.steps_per_epoch, 4),
+                              "loss": loss_sum / label_tokens, "learning_rate": learning_rate,
+                              "grad_norm": grad_norm, "tokens_per_s": seen / (time.perf_counter() - window_start),
+                              "elapsed_s": time.perf_counter() - train_start}
+                    metrics.write(record)
+                    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{learning_rate:.2e}",
+                                         tok_s=f"{record['tokens_per_s']:.0f}")
+                window.zero_()
+                window_start = time.perf_counter()
+            if plan.should_save(step, end_of_epoch, args.save_strategy):
+                checkpoint(epoch, next_batch=index + 1)
         progress.close()
         train_time = time.perf_counter() - train_start
 
@@ -191,7 +248,7 @@ def train(args) -> None:
             losses = [record["loss"] for record in metrics.records()]
             rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB"
                               for r, (t, m) in enumerate(row.tolist() for row in gathered))
-            print(f"Trained {step} steps in {train_time:.0f}s on {world_size} processes: "
+            print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: "
                   f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); loss {losses[0]:.4f} -> "
                   f"{losses[-1]:.4f}. Interventions (pyreft format), arguments, metrics and loss.png in "
                   f"{args.output_dir}/")

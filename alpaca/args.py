@@ -151,8 +151,14 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--logging_steps", type=float, default=10, help="log every N optimizer steps")
     flag("--eval_strategy", "--evaluation_strategy", dest="eval_strategy", default="no", choices=["no"],
          help="evaluation during training is not implemented yet")
-    flag("--save_strategy", default="no", choices=["no"],
-         help="periodic checkpoints are not implemented yet; the final interventions are always saved")
+    flag("--save_strategy", default="no", choices=["no", "steps", "epoch"],
+         help="periodic checkpoints in output_dir/checkpoint-<step>; the final interventions are always saved")
+    flag("--save_steps", type=float, default=500, help="with --save_strategy steps; below 1: a fraction of the run")
+    flag("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
+    flag("--resume_from_checkpoint", default=None,
+         help="a checkpoint-<step> directory, or 'auto' for the newest complete one in output_dir")
+    flag("--overwrite_output_dir", type=str2bool, nargs="?", const=True, default=False,
+         help="replace an earlier run in output_dir instead of refusing")
     flag("--report_to", default="none", choices=["none", "wandb"],
          help="experiment tracker (rank 0 only); wandb runs offline when not logged in")
     flag("--run_name", default=None, help="wandb run name")
@@ -191,6 +197,8 @@ def validate(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if args.bf16 else "float16"
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
+    if args.save_strategy == "steps" and args.save_steps <= 0:
+        raise UsageError(f"--save_steps must be positive, got {args.save_steps}")
     data_is_file = args.data_path.endswith((".json", ".jsonl")) or os.path.sep in args.data_path
     if data_is_file and not os.path.isfile(args.data_path):
         raise UsageError(f"--data_path {args.data_path!r} does not exist; pass an Alpaca .json/.jsonl file")

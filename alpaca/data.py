@@ -254,6 +254,19 @@ def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: 
     return [order[start : start + global_batch_size] for start in range(0, num_examples, global_batch_size)]
 
 
+def iterate_global_batches(num_examples: int, global_batch_size: int, seed: int, start_epoch: int = 0,
+                           start_batch: int = 0):
+    """Endless walk through the plan from (epoch, batch index) on: yields (epoch, index, global batch, last
+    of its epoch?). Resuming at a position gives exactly the batches an uninterrupted run sees next."""
+    epoch = start_epoch
+    while True:
+        batches = global_batches(num_examples, global_batch_size, seed, epoch)
+        first = start_batch if epoch == start_epoch else 0
+        for index in range(first, len(batches)):
+            yield epoch, index, batches[index], index == len(batches) - 1
+        epoch += 1
+
+
 def rank_micro_batches(
     global_batch: list[int], rank: int, world_size: int, per_device_batch_size: int, accumulation_steps: int
 ) -> list[list[int]]:

@@ -74,6 +74,27 @@ def resolve_model_path(model_name_or_path: str, cache_dir: str | None = None) ->
     return model_name_or_path
 
 
+def check_model(args) -> str:
+    """Resolve the model and check --layers and --rank against its config, before any weight is loaded.
+    Returns the path (or hub name) to load."""
+    from transformers import AutoConfig
+
+    name = args.model_name_or_path
+    local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.isabs(name)
+    if local and not os.path.isdir(os.path.expanduser(name)):
+        raise UsageError(f"--model_name_or_path {name!r} does not exist; pass a model directory or a hub name")
+    path = resolve_model_path(name, args.cache_dir)
+    try:
+        config = AutoConfig.from_pretrained(path, cache_dir=args.cache_dir)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0]
+        raise UsageError(f"cannot load --model_name_or_path {name!r}: {reason}") from None
+    parse_layers(args.layers, config.num_hidden_layers)
+    if args.rank >= config.hidden_size:
+        raise UsageError(f"--rank {args.rank} must be smaller than the model's hidden size {config.hidden_size}")
+    return path
+
+
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device,
                     model_max_length: int = 512, cache_dir: str | None = None):
     """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set)."""

@@ -19,6 +19,7 @@ class StepPlan:
     total_steps: int
     warmup_steps: int
     logging_interval: int
+    save_interval: int | None  # None: checkpoints at epoch ends (--save_strategy epoch) or never
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, num_examples: int, world_size: int) -> StepPlan:
@@ -28,7 +29,18 @@ class StepPlan:
         warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
         # HF semantics: a logging_steps below 1 is a fraction of the run.
         interval = math.ceil(args.logging_steps * total) if args.logging_steps < 1 else int(args.logging_steps)
-        return cls(global_batch_size, epoch_steps, total, warmup, max(1, interval))
+        save = math.ceil(args.save_steps * total) if args.save_steps < 1 else int(args.save_steps)
+        return cls(global_batch_size, epoch_steps, total, warmup, max(1, interval),
+                   max(1, save) if args.save_strategy == "steps" else None)
+
+    def should_log(self, step: int) -> bool:
+        return step % self.logging_interval == 0 or step == self.total_steps
+
+    def should_save(self, step: int, end_of_epoch: bool, save_strategy: str) -> bool:
+        """A periodic checkpoint after this step? (Not after the last one: the final output follows.)"""
+        if step == self.total_steps or save_strategy == "no":
+            return False
+        return end_of_epoch if save_strategy == "epoch" else step % self.save_interval == 0
 
 
 def build_optimizer(reft_model, args: argparse.Namespace, plan: StepPlan):

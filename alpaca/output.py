@@ -71,11 +71,19 @@ def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved
 class MetricsLog:
     """One JSON object per logged step in `metrics.jsonl`, and in wandb with `--report_to wandb`."""
 
-    def __init__(self, directory: str | os.PathLike, args: argparse.Namespace, **resolved):
+    def __init__(self, directory: str | os.PathLike, args: argparse.Namespace, resume_step: int = 0,
+                 wandb_run_id: str | None = None, **resolved):
+        """A resumed run keeps the records up to its checkpoint (a killed run may have logged past it) and
+        continues the same wandb run."""
         self.path = Path(directory) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
-        self.wandb_run = start_wandb(args, {**vars(args), **resolved}) if args.report_to == "wandb" else None
+        kept = [r for r in read_metrics(directory) if r["step"] <= resume_step] if resume_step else []
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        self.wandb_run = (start_wandb(args, {**vars(args), **resolved}, wandb_run_id)
+                          if args.report_to == "wandb" else None)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as file:
@@ -103,13 +111,14 @@ def _has_wandb_credentials() -> bool:
         return False
 
 
-def start_wandb(args: argparse.Namespace, config: dict):
-    """A wandb run that never prompts: without credentials (and no WANDB_MODE) it runs offline."""
+def start_wandb(args: argparse.Namespace, config: dict, run_id: str | None = None):
+    """A wandb run that never prompts: without credentials (and no WANDB_MODE) it runs offline.
+    With `run_id` (from a checkpoint) it continues that run."""
     import wandb
 
     offline = "WANDB_MODE" not in os.environ and not _has_wandb_credentials()
     run = wandb.init(project=args.wandb_project, name=args.run_name, config=config, dir=args.output_dir,
-                     mode="offline" if offline else None)
+                     mode="offline" if offline else None, id=run_id, resume="allow" if run_id else None)
     if offline:
         print(f"wandb: not logged in, so this run is logged offline in {run.dir}; upload it later with: "
               f"wandb sync {Path(run.dir).parent}")
@@ -117,7 +126,10 @@ def start_wandb(args: argparse.Namespace, config: dict):
 
 
 def read_metrics(directory: str | os.PathLike) -> list[dict]:
-    with open(Path(directory) / METRICS_FILE) as file:
+    path = Path(directory) / METRICS_FILE
+    if not path.exists():
+        return []
+    with open(path) as file:
         return [json.loads(line) for line in file if line.strip()]
 
 

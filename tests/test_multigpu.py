@@ -16,9 +16,9 @@ COMMON = ["--layers", "1;3", "--position", "f2+l2", "--rank", "4", "--learning_r
           "3", "--logging_steps", "1", "--num_sample_answers", "0", "--warmup_steps", "2"]
 
 
-def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300):
+def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300, env: dict | None = None):
     return run_script(["--nproc_per_node", str(nproc), *(extra or []), *args],
-                      launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout)
+                      launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout, env=env)
 
 
 def free_port() -> int:
@@ -78,7 +78,7 @@ def test_only_rank_zero_prints_and_writes(runs):
     rank0 = [text for name, text in logs.items() if name.startswith("0/") and name.endswith("stdout.log")]
     rank1 = {name: text for name, text in logs.items() if name.startswith("1/")}
     assert len(rank0) == 1 and "global batch 8 = 2 per device x 2 processes x 2 accumulation" in rank0[0]
-    assert "Trained 9 steps" in rank0[0]
+    assert "Trained to step 9" in rank0[0]
     assert rank1 and all(text == "" for text in rank1.values()), rank1
     written = sorted(path.name for path in (root / "ddp").iterdir())
     assert written == sorted(["config.json", "loss.png", "metrics.jsonl", "training_args.json"]

@@ -1,0 +1,227 @@
+"""Checkpoints for exact resume, written atomically; the output directory's safety checks.
+
+A checkpoint `output_dir/checkpoint-<step>/` holds the interventions twice: in pyreft's format (to load
+or evaluate it like a final output) and as their full torch state (pyreft's format keeps the rotation's
+matrix, not the parametrization's raw parameter the optimizer state refers to). Next to them, the trainer
+state: optimizer, scheduler, position in the batch plan, every rank's RNG, the batch geometry and the
+wandb run id. It is written to a hidden staging directory, closed with a manifest of file sizes, and
+renamed into place: a checkpoint-<step> directory is complete, and a damaged one is detected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from alpaca.args import UsageError
+from alpaca.output import ARGS_FILE, save_interventions
+
+PREFIX = "checkpoint-"
+MANIFEST = "manifest.json"
+INTERVENTIONS_STATE = "interventions.pt"
+TRAINER_STATE = "trainer_state.pt"
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def intervention_states(reft_model) -> dict[str, dict]:
+    # nn.Module.state_dict, not pyreft's override, which keeps only the rotation's matrix.
+    return {key: torch.nn.Module.state_dict(intervention) for key, intervention in reft_model.interventions.items()}
+
+
+def load_intervention_states(reft_model, states: dict[str, dict]) -> None:
+    for key, intervention in reft_model.interventions.items():
+        torch.nn.Module.load_state_dict(intervention, states[key])
+
+
+def step_of(path: Path) -> int:
+    match = re.fullmatch(rf"{PREFIX}(\d+)", path.name)
+    return int(match[1]) if match else -1
+
+
+def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, trainer_state: dict,
+                    save_total_limit: int | None = None) -> Path:
+    """Write checkpoint-<step> atomically, then delete the oldest beyond `save_total_limit`."""
+    output_dir = Path(output_dir)
+    final = output_dir / f"{PREFIX}{step}"
+    staging = output_dir / f".{PREFIX}{step}.staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    save_interventions(reft_model, staging)
+    torch.save(intervention_states(reft_model), staging / INTERVENTIONS_STATE)
+    torch.save(trainer_state, staging / TRAINER_STATE)
+    if (output_dir / ARGS_FILE).exists():
+        shutil.copy2(output_dir / ARGS_FILE, staging / ARGS_FILE)
+    files = {path.name: path.stat().st_size for path in staging.iterdir()}
+    (staging / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
+    for path in staging.iterdir():  # on disk before the rename makes the checkpoint visible
+        with open(path, "rb") as file:
+            os.fsync(file.fileno())
+    if final.exists():  # the same step saved again after a resume
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    rotate_checkpoints(output_dir, save_total_limit)
+    return final
+
+
+def is_complete(path: Path) -> bool:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        return all((path / name).stat().st_size == size for name, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """checkpoint-<step> directories, oldest first (complete or not)."""
+    directory = Path(output_dir)
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if p.is_dir() and step_of(p) >= 0), key=step_of)
+
+
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None) -> None:
+    """Keep the newest `save_total_limit` complete checkpoints; the newest complete one always survives."""
+    if not save_total_limit or save_total_limit <= 0:
+        return
+    complete = [path for path in checkpoints(output_dir) if is_complete(path)]
+    for path in complete[: -save_total_limit]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint; incomplete ones (a write was cut short) are skipped with a warning."""
+    for path in reversed(checkpoints(output_dir)):
+        if is_complete(path):
+            return path
+        print(f"warning: skipping {path}: incomplete (its writing was interrupted)", file=sys.stderr)
+    return None
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(intervention states, trainer state), on the CPU."""
+    path = Path(path)
+    if not is_complete(path):
+        raise UsageError(f"--resume_from_checkpoint {str(path)!r} is not a complete checkpoint; "
+                         "pass a checkpoint-<step> directory or 'auto'")
+    return (torch.load(path / INTERVENTIONS_STATE, map_location="cpu"),
+            torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False))
+
+
+def geometry(args: argparse.Namespace, world_size: int) -> dict:
+    return {"world_size": world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "global_batch_size": args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps}
+
+
+def describe_geometry(g: dict) -> str:
+    return (f"global batch {g['global_batch_size']} = {g['per_device_train_batch_size']} per device x "
+            f"{g['world_size']} processes x {g['gradient_accumulation_steps']} accumulation")
+
+
+def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int) -> None:
+    """The batch plan must be the same one: same global batch, seed and data; the world size may change."""
+    saved, current = trainer_state["geometry"], geometry(args, world_size)
+    if saved["global_batch_size"] != current["global_batch_size"]:
+        raise UsageError(f"the checkpoint was written with {describe_geometry(saved)}, this run has "
+                         f"{describe_geometry(current)}; resume with the same global batch")
+    if (trainer_state["seed"], trainer_state["num_examples"]) != (args.seed, num_examples):
+        raise UsageError(f"the checkpoint was written with --seed {trainer_state['seed']} on "
+                         f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on "
+                         f"{num_examples}; resume with the same data and seed")
+
+
+def prepare_output_dir(args: argparse.Namespace) -> Path | None:
+    """Checks before anything is loaded or written; returns the checkpoint to resume from, if any.
+
+    An earlier run's output is never overwritten by mistake: a finished run or checkpoints in
+    output_dir are refused unless resuming or --overwrite_output_dir.
+    """
+    output_dir = Path(args.output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(output_dir)
+        probe = output_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"--output_dir {args.output_dir!r} is not writable ({error.strerror}); "
+                         "pass a directory you can write to") from None
+    if args.resume_from_checkpoint:
+        if args.resume_from_checkpoint != "auto":
+            return Path(args.resume_from_checkpoint)
+        latest = latest_checkpoint(output_dir)
+        if latest is None:
+            print(f"No checkpoint in {output_dir} to resume from: starting from scratch.")
+        return latest
+    earlier = checkpoints(output_dir) or (output_dir / ARGS_FILE).exists()
+    if earlier and not args.overwrite_output_dir:
+        raise UsageError(f"--output_dir {args.output_dir!r} already holds a run; resume it with "
+                         "--resume_from_checkpoint auto, or pass --overwrite_output_dir to replace it")
+    if earlier:
+        for path in checkpoints(output_dir):
+            shutil.rmtree(path)
+    return None
+
+
+def remove_stale_staging(output_dir: str | os.PathLike) -> None:
+    """Staging directories left by a run killed while writing a checkpoint."""
+    for path in Path(output_dir).glob(f".{PREFIX}*.staging-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float], optimizer, scheduler,
+                  rng_states: list[dict], args: argparse.Namespace, world_size: int, num_examples: int,
+                  wandb_run_id: str | None) -> dict:
+    """Everything besides the interventions that an exact resume needs."""
+    return {"step": step, "epoch": epoch, "next_batch": next_batch, "window": window,
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states,
+            "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
+            "wandb_run_id": wandb_run_id}
+
+
+class StopSignal:
+    """SIGTERM (preemption, torchrun forwarding) or SIGINT: finish the step, checkpoint, exit non-zero.
+
+    A second signal aborts at once.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, self._handle)
+
+    def _handle(self, number: int, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = number
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or 0)

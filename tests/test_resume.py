@@ -1,0 +1,147 @@
+"""Checkpoints, exact resume, preemption and crashes, for both scripts."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, run_script
+from test_multigpu import assert_same_model, intervention_weights, torchrun
+
+from alpaca.checkpoint import checkpoints, latest_checkpoint
+from alpaca.output import read_metrics
+
+# Dropout makes the RNG part of the state: an exact resume must restore it.
+FLAGS = ["--layers", "1;3", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--dropout", "0.1",
+         "--max_steps", "9", "--logging_steps", "1", "--num_sample_answers", "0", "--save_strategy", "steps",
+         "--save_steps", "2", "--per_device_train_batch_size", "2", "--warmup_steps", "2"]
+FAULTS = str(REPO / "tests" / "faults.py")
+
+
+def flags(tiny_model, tiny_data, output_dir, *extra):
+    return ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), "--output_dir",
+            str(output_dir), *FLAGS, *extra]
+
+
+def assert_identical_runs(actual_dir, expected_dir):
+    """Bit-identical weights and the same logged losses at every step."""
+    actual, expected = intervention_weights(actual_dir), intervention_weights(expected_dir)
+    assert actual.keys() == expected.keys() and actual
+    for key in expected:
+        assert torch.equal(actual[key], expected[key]), key
+    assert [r["step"] for r in read_metrics(actual_dir)] == list(range(1, 10))
+    assert [r["loss"] for r in read_metrics(actual_dir)] == [r["loss"] for r in read_metrics(expected_dir)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tiny_data, tmp_path_factory):
+    """Uninterrupted runs: one process (accumulation 4) and two (accumulation 2); global batch 8."""
+    root = tmp_path_factory.mktemp("reference")
+    single = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single"),
+                         "--gradient_accumulation_steps", "4"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    ddp = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, root / "ddp"),
+                       "--gradient_accumulation_steps", "2"])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert [path.name for path in checkpoints(root / "single")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                                                   "checkpoint-8"]
+    without_dropout = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single-no-dropout"),
+                                  "--gradient_accumulation_steps", "4", "--dropout", "0"])
+    assert without_dropout.returncode == 0, without_dropout.stderr[-3000:]
+    return root
+
+
+def test_kill_9_then_auto_resume_is_bit_identical(tiny_model, tiny_data, tmp_path, reference):
+    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4")
+    killed = run_script([FAULTS, "train.py", *args], env={"FAULT": "kill", "FAULT_STEP": "6"})
+    assert killed.returncode == -signal.SIGKILL
+    assert latest_checkpoint(tmp_path).name == "checkpoint-4"
+    resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout and "at step 4" in resumed.stdout
+    assert_identical_runs(tmp_path, reference / "single")
+
+
+def test_kill_9_of_one_rank_then_auto_resume_is_bit_identical(tiny_model, tiny_data, tmp_path, reference):
+    args = ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2")]
+    killed = torchrun(2, [FAULTS, *args], env={"FAULT": "kill", "FAULT_STEP": "6", "FAULT_RANK": "1"})
+    assert killed.returncode != 0
+    assert latest_checkpoint(tmp_path).name == "checkpoint-4"
+    resumed = torchrun(2, [*args, "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_identical_runs(tmp_path, reference / "ddp")
+
+
+def test_a_damaged_checkpoint_is_skipped(tiny_model, tiny_data, tmp_path, reference):
+    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4")
+    killed = run_script([FAULTS, "train.py", *args], env={"FAULT": "kill", "FAULT_STEP": "8"})
+    assert killed.returncode == -signal.SIGKILL
+    newest = tmp_path / "checkpoint-6"
+    state = newest / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # cut short, as by a crash mid-write
+    resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "skipping" in resumed.stderr and "checkpoint-6" in resumed.stderr
+    assert "at step 4" in resumed.stdout
+    assert_identical_runs(tmp_path, reference / "single")
+
+
+def test_sigterm_checkpoints_exits_non_zero_and_resumes(tiny_model, tiny_data, tmp_path, reference):
+    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4", "--save_strategy", "no")
+    stopped = run_script([FAULTS, "train.py", *args], env={"FAULT": "sigterm", "FAULT_STEP": "5"})
+    assert stopped.returncode != 0
+    assert "stopped by SIGTERM after step 5" in stopped.stderr
+    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-5"]
+    resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_identical_runs(tmp_path, reference / "single")
+
+
+def test_sigterm_to_torchrun_checkpoints_every_rank_and_resumes(tiny_model, tiny_data, tmp_path, reference):
+    args = ["--nproc_per_node", "2", "train_multigpu.py",
+            *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2", "--max_steps", "400",
+                   "--save_strategy", "no")]
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 120
+    while len(read_metrics(tmp_path)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert "stopped by SIGTERM" in stderr
+    [saved] = checkpoints(tmp_path)
+    step = int(saved.name.split("-")[1])
+    assert 3 <= step < 400 and [r["step"] for r in read_metrics(tmp_path)][-1] >= step
+
+
+def test_a_rank_raising_brings_the_job_down_quickly(tiny_model, tiny_data, tmp_path):
+    started = time.monotonic()
+    result = torchrun(2, [FAULTS, "train_multigpu.py",
+                          *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2")],
+                      env={"FAULT": "raise", "FAULT_STEP": "3", "FAULT_RANK": "1"})
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "injected failure at step 3" in result.stderr
+
+
+def test_resume_on_another_world_size_with_the_same_global_batch(tiny_model, tiny_data, tmp_path, reference):
+    """Two processes x 2 accumulation, killed; resumed by one process x 4 accumulation."""
+    multi = [FAULTS, "train_multigpu.py",
+             *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2", "--dropout", "0")]
+    killed = torchrun(2, multi, env={"FAULT": "kill", "FAULT_STEP": "6"})
+    assert killed.returncode != 0
+    single = flags(tiny_model, tiny_data, tmp_path, "--dropout", "0")
+    refused = run_script(["train.py", *single, "--gradient_accumulation_steps", "2", "--resume_from_checkpoint",
+                          "auto"])
+    assert refused.returncode == 2
+    assert ("global batch 8 = 2 per device x 2 processes x 2 accumulation, this run has global batch 4 = 2 per "
+            "device x 1 processes x 2 accumulation") in refused.stderr
+    resumed = run_script(["train.py", *single, "--gradient_accumulation_steps", "4", "--resume_from_checkpoint",
+                          "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_model(tmp_path, reference / "single-no-dropout")
