@@ -46,7 +46,7 @@ def train(args) -> None:
         save_checkpoint,
         trainer_state,
     )
-    from alpaca.data import Collator, iterate_global_batches, prepare_dataset, rank_micro_batches
+    from alpaca.data import Collator, iterate_global_batches, load_records, prepare_dataset, rank_micro_batches
     from alpaca.generation import sample_answers
     from alpaca.loss import summed_token_loss, token_weighted_loss
     from alpaca.model import (
@@ -75,11 +75,12 @@ def train(args) -> None:
     position = parse_position(args.position)
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
-    # -- model and data -----------------------------------------------------------------------------
-    model_path = check_model(args)  # layers and rank against the model's config, before its weights load
+    # -- data and model: what can be checked is checked before the model's weights are loaded ------------
+    records = load_records(args.data_path, args.max_n_train_example, args.seed)
+    model_path = check_model(args)  # --layers and --rank against the model's config
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
-                                       args.model_max_length, args.cache_dir)
-    dataset = prepare_dataset(args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
+                                       args.cache_dir)
+    dataset = prepare_dataset(records, args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
                               args.seed, args.cache_dir)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,

@@ -50,7 +50,7 @@ def train(args) -> None:
         save_checkpoint,
         trainer_state,
     )
-    from alpaca.data import Collator, iterate_global_batches, prepare_dataset, rank_micro_batches
+    from alpaca.data import Collator, iterate_global_batches, load_records, prepare_dataset, rank_micro_batches
     from alpaca.distributed import first_on_local_main, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import summed_token_loss, token_weighted_loss
@@ -94,13 +94,16 @@ def train(args) -> None:
         # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
         resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
 
-        # -- model and data: caches are filled by each node's first process, then read by the others --
+        # -- data and model: checked before the weights load; caches are filled by each node's first
+        # process (model conversion, tokenization), then read by the others ------------------------------
+        records = run_checked(lambda: load_records(args.data_path, args.max_n_train_example, args.seed),
+                              participate=True, device=device)
         model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
         model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
-                                           args.model_max_length, args.cache_dir)
+                                           args.cache_dir)
         dataset = first_on_local_main(
-            lambda: prepare_dataset(args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
-                                    args.seed, args.cache_dir), local_rank, device)
+            lambda: prepare_dataset(records, args.data_path, tokenizer, args.model_max_length,
+                                    args.max_n_train_example, args.seed, args.cache_dir), local_rank, device)
         if len(dataset) < world_size:
             raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
                              "at least one; use fewer processes or more data")

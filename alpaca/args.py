@@ -199,6 +199,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
     if args.save_strategy == "steps" and args.save_steps <= 0:
         raise UsageError(f"--save_steps must be positive, got {args.save_steps}")
+    if os.path.isdir(args.data_path):
+        raise UsageError(f"--data_path {args.data_path!r} is a directory; pass an Alpaca .json/.jsonl file")
     data_is_file = args.data_path.endswith((".json", ".jsonl")) or os.path.sep in args.data_path
     if data_is_file and not os.path.isfile(args.data_path):
         raise UsageError(f"--data_path {args.data_path!r} does not exist; pass an Alpaca .json/.jsonl file")

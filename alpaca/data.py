@@ -42,9 +42,17 @@ def _read_local_records(path: str) -> list[dict]:
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read --data_path {path!r}: {error}") from None
+    if path.endswith(".jsonl"):
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            try:
+                if line.strip():
+                    records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise UsageError(f"line {number} of --data_path {path!r} is not valid JSON ({error}); "
+                                 "JSONL needs one JSON record per line") from None
+        return records
     try:
-        if path.endswith(".jsonl"):
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
         records = json.loads(text)
     except json.JSONDecodeError as error:
         raise UsageError(
@@ -139,16 +147,16 @@ def _dataset_fingerprint(data_path: str, tokenizer, model_max_length: int, max_n
     return digest.hexdigest()[:24]
 
 
-def prepare_dataset(data_path: str, tokenizer, model_max_length: int, max_n_train_example: int | None = None,
-                    seed: int = 42, cache_dir: str | None = None):
-    """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
-    load it in a second instead of tokenizing again."""
+def prepare_dataset(records, data_path: str, tokenizer, model_max_length: int,
+                    max_n_train_example: int | None = None, seed: int = 42, cache_dir: str | None = None):
+    """`load_records`' output -> tokenized dataset, cached on disk so that later runs (and the other ranks
+    of this run) load it in a second instead of tokenizing again."""
     import datasets
 
     path = cache_root(cache_dir) / "tokenized" / _dataset_fingerprint(
         data_path, tokenizer, model_max_length, max_n_train_example, seed)
     if not path.exists():
-        dataset = tokenize(load_records(data_path, max_n_train_example, seed), tokenizer, model_max_length)
+        dataset = tokenize(records, tokenizer, model_max_length)
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".staging-", dir=path.parent)
         dataset.save_to_disk(staging)

@@ -95,15 +95,14 @@ def check_model(args) -> str:
     return path
 
 
-def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device,
-                    model_max_length: int = 512, cache_dir: str | None = None):
+def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None):
     """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_name_or_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(
-        path, model_max_length=model_max_length, padding_side="right", cache_dir=cache_dir
-    )
+        path, padding_side="right", cache_dir=cache_dir
+    )  # no model_max_length: `tokenize` truncates, and transformers would warn about every long record
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)

@@ -1,0 +1,128 @@
+"""User mistakes: one line naming the problem and the fix, a non-zero exit, and an earlier output intact."""
+
+import json
+
+import pytest
+from conftest import run_script, write_records
+from test_multigpu import torchrun
+
+SENTINEL = "an earlier result\n"
+
+
+@pytest.fixture
+def output_dir(tmp_path):
+    directory = tmp_path / "out"
+    directory.mkdir()
+    (directory / "notes.txt").write_text(SENTINEL)
+    return directory
+
+
+def write(path, text: str | bytes):
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    return path
+
+
+def bad_data(tmp_path):
+    good = json.loads(write_records(tmp_path / "good.json", 3).read_text())
+    return {
+        "missing": tmp_path / "missing.json",
+        "directory": tmp_path,
+        "not utf-8": write(tmp_path / "latin1.json", "[{\"instruction\": \"caf\xe9\"}]".encode("latin-1")),
+        "malformed json": write(tmp_path / "broken.json", json.dumps(good)[:-5]),
+        "malformed jsonl": write(tmp_path / "broken.jsonl", json.dumps(good[0]) + "\n{\"instruction\": \n"),
+        "missing output": write(tmp_path / "no-output.json", json.dumps(good + [{"instruction": "Hi", "input": ""}])),
+        "empty": write(tmp_path / "empty.json", "[]"),
+        "not a list": write(tmp_path / "object.json", json.dumps(good[0])),
+    }
+
+
+CASES = [
+    # (name, flags, what stderr must say)
+    ("missing data file", ["--data_path", "{missing}"], "does not exist; pass an Alpaca .json/.jsonl file"),
+    ("data path is a directory", ["--data_path", "{directory}"], "is a directory; pass an Alpaca"),
+    ("unreadable data", ["--data_path", "{not utf-8}"], "cannot read --data_path"),
+    ("malformed json", ["--data_path", "{malformed json}"], "is not valid JSON"),
+    ("malformed jsonl", ["--data_path", "{malformed jsonl}"], "line 2 of --data_path"),
+    ("record without output", ["--data_path", "{missing output}"], "record 3 of"),
+    ("empty dataset", ["--data_path", "{empty}"], "holds no records"),
+    ("not a list of records", ["--data_path", "{not a list}"], "must hold a JSON list of records"),
+    ("everything truncated", ["--model_max_length", "8"], "no output token is left; raise --model_max_length"),
+    ("layers not integers", ["--layers", "1;two"], "--layers '1;two' is malformed"),
+    ("layer out of range", ["--layers", "1;9"], "layer 9 is out of range, the model has 4 layers"),
+    ("position f1+", ["--position", "f1+"], "--position 'f1+' is malformed"),
+    ("position x3", ["--position", "x3"], "--position 'x3' is malformed"),
+    ("position l-1", ["--position", "l-1"], "--position 'l-1' is malformed"),
+    ("position f0", ["--position", "f0"], "--position 'f0' is malformed"),
+    ("rank zero", ["--rank", "0"], "--rank must be a positive integer"),
+    ("rank too large", ["--rank", "64"], "--rank 64 must be smaller than the model's hidden size 64"),
+    ("batch size zero", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be a positive"),
+    ("accumulation zero", ["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be a positive"),
+    ("output_dir is a file", ["--output_dir", "{output_dir}/notes.txt"], "is a file; pass a directory path"),
+    ("output_dir not writable", ["--output_dir", "/proc/reft-alpaca-out"], "is not writable"),
+    ("model path missing", ["--model_name_or_path", "./no/such/model"], "does not exist; pass a model directory"),
+    ("unknown flag", ["--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat"),
+    ("missing resume checkpoint", ["--resume_from_checkpoint", "{output_dir}/checkpoint-7"],
+     "is not a complete checkpoint"),
+]
+
+
+@pytest.mark.parametrize("name,flags,message", CASES, ids=[case[0] for case in CASES])
+def test_bad_input(name, flags, message, tiny_model, tmp_path, output_dir):
+    paths = {**{key: str(value) for key, value in bad_data(tmp_path).items()}, "output_dir": str(output_dir)}
+    flags = [flag.format(**paths) for flag in flags]
+    defaults = {"--model_name_or_path": str(tiny_model), "--data_path": str(write_records(tmp_path / "ok.json", 5)),
+                "--output_dir": str(output_dir), "--layers": "1;2", "--num_sample_answers": "0", "--max_steps": "1"}
+    args = [item for key, value in defaults.items() if key not in flags for item in (key, value)]
+    result = run_script(["train.py", *args, *flags])
+    assert result.returncode == 2, result.stderr[-2000:]
+    # One error line, the last thing printed (progress bars of the work done before it may precede it).
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == errors[0] and "Traceback" not in result.stderr
+    assert (output_dir / "notes.txt").read_text() == SENTINEL
+    assert sorted(p.name for p in output_dir.iterdir()) == ["notes.txt"]
+
+
+def test_a_finished_run_is_not_overwritten(tiny_model, tmp_path, output_dir):
+    data = write_records(tmp_path / "ok.json", 5)
+    args = ["train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(data), "--output_dir",
+            str(output_dir), "--layers", "1;2", "--num_sample_answers", "0", "--max_steps", "1"]
+    assert run_script(args).returncode == 0
+    finished = {p.name: p.read_bytes() for p in output_dir.iterdir()}
+    again = run_script([*args, "--learning_rate", "1"])
+    assert again.returncode == 2
+    assert "already holds a run; resume it with --resume_from_checkpoint auto, or pass --overwrite_output_dir" \
+        in again.stderr
+    assert {p.name: p.read_bytes() for p in output_dir.iterdir()} == finished
+    assert run_script([*args, "--overwrite_output_dir"]).returncode == 0
+
+
+def test_more_processes_than_examples(tiny_model, tmp_path, output_dir):
+    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
+                          str(write_records(tmp_path / "one.json", 1)), "--output_dir", str(output_dir),
+                          "--layers", "1;2", "--num_sample_answers", "0"])
+    assert result.returncode != 0
+    assert result.stderr.count("1 training examples for 2 processes: every process needs at least one") == 1
+    assert (output_dir / "notes.txt").read_text() == SENTINEL
+
+
+def test_bad_input_on_every_rank_is_reported_once(tiny_model, tmp_path, output_dir):
+    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
+                          str(tmp_path / "missing.json"), "--output_dir", str(output_dir)])
+    assert result.returncode != 0
+    assert result.stderr.count("does not exist; pass an Alpaca .json/.jsonl file") == 1
+
+
+def test_non_ascii_and_very_long_records_just_work(tiny_model, tmp_path):
+    records = [
+        {"instruction": "把这句话翻译成英文。", "input": "我喜欢学习。", "output": "I like studying."},
+        {"instruction": "Describe the sea 🌊 in one line.", "input": "", "output": "Blue, deep and restless 🌊☀️."},
+        {"instruction": "Summarize: " + "lorem ipsum dolor " * 2000, "input": "", "output": "Filler text."},
+        {"instruction": "Repeat the word 'ok'.", "input": "", "output": "ok " * 5000},
+    ]
+    data = write(tmp_path / "unicode.jsonl", "\n".join(json.dumps(r, ensure_ascii=False) for r in records))
+    result = run_script(["train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(data),
+                         "--output_dir", str(tmp_path / "out"), "--layers", "1;2", "--num_sample_answers", "1",
+                         "--max_new_tokens", "4", "--max_steps", "2", "--per_device_train_batch_size", "2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Dropped 1 example(s) whose prompt alone reaches --model_max_length" in result.stdout
