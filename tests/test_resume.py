@@ -145,3 +145,18 @@ def test_resume_on_another_world_size_with_the_same_global_batch(tiny_model, tin
                           "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_model(tmp_path, reference / "single-no-dropout")
+
+
+@pytest.mark.parametrize("changed,message", [
+    (["--layers", "1;2"], "resume with the original --layers"),
+    (["--seed", "7"], "resume with the same data and seed"),
+    (["--rank", "2"], "initialized differently"),
+])
+def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, message):
+    import shutil
+
+    shutil.copytree(reference / "single", tmp_path, dirs_exist_ok=True)
+    result = run_script(["train.py", *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4"),
+                         *changed, "--resume_from_checkpoint", "auto"])
+    assert result.returncode == 2
+    assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr
