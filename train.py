@@ -53,6 +53,7 @@ def train(args) -> None:
         build_reft_model,
         check_model,
         describe,
+        enable_gradient_checkpointing,
         intervention_parameters,
         load_base_model,
         num_intervened_layers,
@@ -82,6 +83,8 @@ def train(args) -> None:
                                        args.cache_dir)
     dataset = prepare_dataset(records, args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
                               args.seed, args.cache_dir)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
                                   args.intervention)

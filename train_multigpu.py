@@ -51,13 +51,21 @@ def train(args) -> None:
         trainer_state,
     )
     from alpaca.data import Collator, iterate_global_batches, load_records, prepare_dataset, rank_micro_batches
-    from alpaca.distributed import first_on_local_main, run_checked
+    from alpaca.distributed import (
+        average_gradients,
+        broadcast_from_rank_zero,
+        first_on_local_main,
+        local_parameter_bytes,
+        run_checked,
+        shard_base_model,
+    )
     from alpaca.generation import sample_answers
     from alpaca.loss import summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,
         check_model,
         describe,
+        enable_gradient_checkpointing,
         intervention_parameters,
         load_base_model,
         num_intervened_layers,
@@ -107,6 +115,8 @@ def train(args) -> None:
         if len(dataset) < world_size:
             raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
                              "at least one; use fewer processes or more data")
+        if args.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
         reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
                                       args.intervention)
@@ -137,20 +147,28 @@ def train(args) -> None:
             window = saved["window"] if is_main else window  # the saved window is the sum over ranks
             wandb_run_id = saved["wandb_run_id"]
 
-        # -- DDP: only the interventions train; the frozen base is neither broadcast nor reduced --------
-        # Buffers (rotary tables, the rotation's fixed base) never change: no re-broadcast before each forward.
-        ddp_model = DistributedDataParallel(reft_model, device_ids=[local_rank] if device.type == "cuda" else None,
-                                            find_unused_parameters=False, forward_sync_buffers=False)
-        check_replicated(ddp_model, parameters, device)
+        # -- DDP, or FSDP for the base: only the interventions train, and they are replicated -----------
+        if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
+            shard_base_model(model, device, offload="offload" in args.fsdp.split())
+            broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
+            train_model = reft_model
+        else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
+            # fixed base) never change: no re-broadcast before each forward.
+            train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, forward_sync_buffers=False,
+                                                  device_ids=[local_rank] if device.type == "cuda" else None)
+        check_replicated(parameters, device, ddp_model=None if args.fsdp else train_model)
+        base_bytes = local_parameter_bytes(model)
         if is_main:
             print(f"{describe(reft_model, len(dataset), device)}\n"
                   f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
                   f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
-                  f"steps ({plan.steps_per_epoch} per epoch) | {backend}"
+                  f"steps ({plan.steps_per_epoch} per epoch) | {backend} | base model "
+                  f"{'sharded (FSDP)' if args.fsdp else 'replicated (DDP)'}: {base_bytes / 2**20:.1f} MiB of "
+                  f"parameters on rank 0"
                   + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
                   + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
             resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
-                            total_steps=plan.total_steps)
+                            total_steps=plan.total_steps, base_parameter_bytes_per_rank=base_bytes)
             save_args(args, args.output_dir, **resolved)
             metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
 
@@ -200,9 +218,9 @@ def train(args) -> None:
                 last = micro_step == len(batches) - 1
                 if batch is None and not last:
                     continue
-                # Gradients are all-reduced once per optimizer step, on the last micro-batch.
-                with contextlib.nullcontext() if last else ddp_model.no_sync():
-                    summed_loss = summed_token_loss(ddp_model, batch or placeholder, device)
+                # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
+                with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():
+                    summed_loss = summed_token_loss(train_model, batch or placeholder, device)
                     if batch is None:
                         summed_loss = summed_loss * 0.0
                     token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
@@ -211,6 +229,8 @@ def train(args) -> None:
                     window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
                                            dtype=torch.float64, device=device)
                     rank_tokens += seen
+            if args.fsdp:
+                average_gradients(parameters, world_size)
             grad_norm = clip_gradients(parameters, args.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -239,7 +259,8 @@ def train(args) -> None:
         # -- report: throughput and peak memory of every rank ---------------------------------------------
         peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        per_rank = torch.tensor([rank_tokens / train_time, peak_memory], dtype=torch.float64, device=device)
+        per_rank = torch.tensor([rank_tokens / train_time, peak_memory, base_bytes], dtype=torch.float64,
+                                device=device)
         gathered = [torch.zeros_like(per_rank) for _ in range(world_size)]
         dist.all_gather(gathered, per_rank)
 
@@ -249,16 +270,19 @@ def train(args) -> None:
             metrics.close()
             plot_loss(args.output_dir)
             losses = [record["loss"] for record in metrics.records()]
-            rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB"
-                              for r, (t, m) in enumerate(row.tolist() for row in gathered))
+            rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
+                              for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
             print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: "
                   f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); loss {losses[0]:.4f} -> "
                   f"{losses[-1]:.4f}. Interventions (pyreft format), arguments, metrics and loss.png in "
                   f"{args.output_dir}/")
-            if args.num_sample_answers > 0:
-                print(sample_answers(reft_model, tokenizer, args, position, num_layers))
+            if answers:
+                print(answers)
             print(f"Done in {time.perf_counter() - started:.0f}s.")
 
+        # A sharded base answers only with every rank taking part; a replicated one on rank 0 alone.
+        answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
+                   if args.num_sample_answers > 0 and (is_main or args.fsdp) else None)
         run_checked(write_outputs, participate=is_main, device=device)
     finally:
         dist.destroy_process_group()
@@ -282,16 +306,17 @@ def quiet_non_main_rank() -> None:
     datasets.disable_progress_bars()
 
 
-def check_replicated(ddp_model, parameters: list, device) -> None:
-    """Every trainable parameter is one DDP synchronizes, and all ranks start from identical values."""
+def check_replicated(parameters: list, device, ddp_model=None) -> None:
+    """Every trainable parameter is one DDP synchronizes (under DDP), and all ranks hold identical values."""
     import torch
     import torch.distributed as dist
 
-    synchronized = {id(p) for module in ddp_model.module.modules() for p in module.parameters(recurse=False)
-                    if p.requires_grad}
-    missing = [p for p in parameters if id(p) not in synchronized]
-    if missing:
-        raise RuntimeError(f"{len(missing)} trainable parameters are outside the DDP module; they would diverge")
+    if ddp_model is not None:
+        synchronized = {id(p) for module in ddp_model.module.modules() for p in module.parameters(recurse=False)
+                        if p.requires_grad}
+        missing = [p for p in parameters if id(p) not in synchronized]
+        if missing:
+            raise RuntimeError(f"{len(missing)} trainable parameters are outside the DDP module; they would diverge")
     checksum = torch.stack([p.detach().double().sum() for p in parameters]).to(device)
     lowest, highest = checksum.clone(), checksum.clone()
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)

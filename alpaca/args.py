@@ -28,6 +28,10 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reft-alpaca"
 
 
+# HF TrainingArguments' --fsdp words. All shard the base fully (FSDP2 has one mode); `offload` adds CPU offload.
+FSDP_WORDS = {"full_shard", "shard_grad_op", "hybrid_shard", "auto_wrap", "offload"}
+
+
 class UsageError(ValueError):
     """A user mistake: reported as one line and a non-zero exit, never as a traceback."""
 
@@ -125,6 +129,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--rank", type=int, default=4, help="low-rank dimension r of each intervention")
     flag("--dropout", type=float, default=0.0, help="dropout on the intervention output")
     flag("--intervention", default="loreft", choices=["loreft", "noreft"])
+    flag("--gradient_checkpointing", type=str2bool, nargs="?", const=True, default=False,
+         help="recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)")
 
     group = parser.add_argument_group("optimization")
     flag = group.add_argument
@@ -173,6 +179,9 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
         flag("--ddp_backend", default=None, choices=["nccl", "gloo"],
              help="default: nccl on CUDA, gloo on CPU")
         flag("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the job fails")
+        flag("--fsdp", nargs="?", const="full_shard", default="",
+             help="shard the frozen base model across ranks (FSDP2); HF-style values are accepted: "
+                  "'full_shard auto_wrap', and 'offload' keeps the shards in CPU memory (CUDA only)")
     return parser
 
 
@@ -191,6 +200,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("nothing to train: set --num_train_epochs > 0 or --max_steps > 0")
     if not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    fsdp_words = set(getattr(args, "fsdp", "").split())
+    if fsdp_words - FSDP_WORDS:
+        raise UsageError(f"--fsdp {args.fsdp!r}: unknown option {sorted(fsdp_words - FSDP_WORDS)[0]!r}; use "
+                         f"--fsdp alone, or any of {', '.join(sorted(FSDP_WORDS))}")
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 are exclusive; pick one (or use --dtype)")
     if args.bf16 or args.fp16:

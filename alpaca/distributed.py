@@ -48,3 +48,50 @@ def first_on_local_main(fn: Callable[[], T], local_rank: int, device: torch.devi
     the others, which find the cache. A failure on the first ones stops every rank at once."""
     result = run_checked(fn, participate=local_rank == 0, device=device)
     return result if local_rank == 0 else fn()
+
+
+def shard_base_model(model, device: torch.device, offload: bool = False) -> None:
+    """FSDP2 over the frozen base: each decoder layer is a unit, all-gathered just before it runs and freed
+    after; the root unit holds the embeddings, final norm and LM head. Build the ReFT model first: pyvene
+    finds its hook points by the model's class, which `fully_shard` replaces.
+
+    The interventions are not sharded: a few thousand parameters, replicated, whose gradients
+    `average_gradients` all-reduces once per step. The base is frozen, so FSDP never reduces gradients.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from alpaca.model import decoder_layers
+
+    options = {}
+    if device.type == "cuda":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
+        if offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+    elif offload:
+        raise UsageError("--fsdp offload keeps the shards in CPU memory for GPUs; on CPUs drop 'offload'")
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+
+
+def local_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds: its shards of sharded (DTensor) parameters, the rest whole."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+
+
+def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:
+    """What DDP does at construction, for modules outside DDP: every rank starts from rank 0's values."""
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=0)
+
+
+def average_gradients(parameters: list[torch.Tensor], world_size: int) -> None:
+    """DDP's gradient averaging, in one flat all-reduce, for replicated parameters outside DDP."""
+    grads = [p.grad for p in parameters]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world_size
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)

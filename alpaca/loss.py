@@ -24,6 +24,9 @@ def summed_token_loss(reft_model, batch: dict, device: torch.device) -> torch.Te
             "input_ids": input_ids,
             "attention_mask": batch["attention_mask"].to(device, non_blocking=True),
             "logits_to_keep": keep,
+            # No KV cache in training: it is never read, and an activation-checkpointed layer recomputed in
+            # the backward pass would append its keys to the cache a second time.
+            "use_cache": False,
         },
         unit_locations={"sources->base": (None, batch["intervention_locations"])},
     )

@@ -140,6 +140,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
         for layer in layer_ids
     ]
     reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations))
+    keep_foreign_hooks(reft_model)
     set_train_mode(reft_model, True)
     return reft_model
 
@@ -154,6 +155,44 @@ def describe(reft_model, num_examples: int, device) -> str:
 def num_intervened_layers(reft_model, position: tuple[int, int], share_weights: bool) -> int:
     first_n, last_n = position
     return len(reft_model.interventions) // (2 if first_n and last_n and not share_weights else 1)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks, found the way HF's own device-map/FSDP wrapping finds them: `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise UsageError(f"{type(model).__name__} does not name its decoder layers (_no_split_modules); "
+                         "--fsdp and --gradient_checkpointing need them")
+    return layers
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of each decoder layer (torch's composable `checkpoint`).
+    Unlike HF's `gradient_checkpointing_enable`, it does not need the frozen base in train mode, where
+    the base's dropout would switch on. pyvene's interventions act on the layers' outputs, outside the
+    recomputed region: the gradients are identical with and without it."""
+    from torch.distributed._composable import checkpoint
+
+    for layer in decoder_layers(model):
+        checkpoint(layer)
+
+
+def keep_foreign_hooks(reft_model) -> None:
+    """pyvene's cleanup, run at every forward, deletes *every* forward (pre-)hook on the model, not only its
+    own: FSDP2's unshard/reshard hooks vanish and the next forward meets sharded DTensor weights. Make
+    it delete pyvene's hooks only."""
+
+    def remove_pyvene_hooks() -> None:
+        for module in reft_model.model.modules():
+            for hooks in (module._forward_hooks, module._forward_pre_hooks):
+                for hook_id, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("pyvene"):
+                        del hooks[hook_id]
+                        module._forward_hooks_with_kwargs.pop(hook_id, None)
+                        module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+
+    reft_model._remove_forward_hooks = remove_pyvene_hooks
 
 
 def set_train_mode(reft_model, training: bool) -> None:

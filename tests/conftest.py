@@ -9,6 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from alpaca.checkpoint import checkpoints
+from alpaca.output import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "examples" / "data" / "alpaca_sample.json"
@@ -16,7 +20,6 @@ SAMPLE_DATA = REPO / "examples" / "data" / "alpaca_sample.json"
 
 def build_tiny_model(directory: Path, pad_token: bool = False, unk_token: bool = True) -> Path:
     """A 4-layer Llama (hidden 64) and a BPE tokenizer trained on the shipped sample data."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -76,3 +79,73 @@ def run_script(args: list[str], cwd: Path = REPO, env: dict | None = None, timeo
     for name in ("WANDB_MODE", "WANDB_API_KEY"):  # tests never reach wandb's servers
         full_env.pop(name, None)
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+COMMON = ["--layers", "1;3", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--num_train_epochs",
+          "3", "--logging_steps", "1", "--num_sample_answers", "0", "--warmup_steps", "2"]
+
+
+def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300, env: dict | None = None):
+    return run_script(["--nproc_per_node", str(nproc), *(extra or []), *args],
+                      launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout, env=env)
+
+
+def intervention_weights(directory) -> dict[str, torch.Tensor]:
+    return {f"{path.name}/{name}": tensor for path in sorted(directory.glob("intkey_*.bin"))
+            for name, tensor in torch.load(path).items()}
+
+
+def assert_same_model(actual_dir, expected_dir):
+    actual, expected = intervention_weights(actual_dir), intervention_weights(expected_dir)
+    assert actual.keys() == expected.keys() and actual
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    actual_losses = [r["loss"] for r in read_metrics(actual_dir)]
+    expected_losses = [r["loss"] for r in read_metrics(expected_dir)]
+    assert actual_losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+# Dropout makes the RNG part of the state: an exact resume must restore it.
+FLAGS = ["--layers", "1;3", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--dropout", "0.1",
+         "--max_steps", "9", "--logging_steps", "1", "--num_sample_answers", "0", "--save_strategy", "steps",
+         "--save_steps", "2", "--per_device_train_batch_size", "2", "--warmup_steps", "2"]
+FAULTS = str(REPO / "tests" / "faults.py")
+
+
+def flags(tiny_model, tiny_data, output_dir, *extra):
+    return ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), "--output_dir",
+            str(output_dir), *FLAGS, *extra]
+
+
+@pytest.fixture(scope="session")
+def runs(tiny_model, tiny_data, tmp_path_factory):
+    """21 examples, global batch 8: the last global batch of each epoch is partial (5 examples), and in it
+    rank 1's last micro-batch is empty."""
+    root = tmp_path_factory.mktemp("runs")
+    data = ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), *COMMON]
+    single = run_script(["train.py", *data, "--output_dir", str(root / "single"),
+                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    ddp = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "ddp"),
+                       "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"],
+                   extra=["--log-dir", str(root / "logs"), "--redirects", "3"])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    return root, data
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model, tiny_data, tmp_path_factory):
+    """Uninterrupted runs: one process (accumulation 4) and two (accumulation 2); global batch 8."""
+    root = tmp_path_factory.mktemp("reference")
+    single = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single"),
+                         "--gradient_accumulation_steps", "4"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    ddp = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, root / "ddp"),
+                       "--gradient_accumulation_steps", "2"])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert [path.name for path in checkpoints(root / "single")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                                                   "checkpoint-8"]
+    without_dropout = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single-no-dropout"),
+                                  "--gradient_accumulation_steps", "4", "--dropout", "0"])
+    assert without_dropout.returncode == 0, without_dropout.stderr[-3000:]
+    return root

@@ -3,8 +3,7 @@
 import json
 
 import pytest
-from conftest import run_script, write_records
-from test_multigpu import torchrun
+from conftest import run_script, torchrun, write_records
 
 SENTINEL = "an earlier result\n"
 

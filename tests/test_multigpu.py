@@ -5,57 +5,17 @@ import socket
 import subprocess
 import sys
 
-import pytest
 import torch
-from conftest import REPO, run_script
+from conftest import COMMON, REPO, assert_same_model, intervention_weights, run_script, torchrun
 
 from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
-
-COMMON = ["--layers", "1;3", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--num_train_epochs",
-          "3", "--logging_steps", "1", "--num_sample_answers", "0", "--warmup_steps", "2"]
-
-
-def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300, env: dict | None = None):
-    return run_script(["--nproc_per_node", str(nproc), *(extra or []), *args],
-                      launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout, env=env)
 
 
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def intervention_weights(directory) -> dict[str, torch.Tensor]:
-    return {f"{path.name}/{name}": tensor for path in sorted(directory.glob("intkey_*.bin"))
-            for name, tensor in torch.load(path).items()}
-
-
-def assert_same_model(actual_dir, expected_dir):
-    actual, expected = intervention_weights(actual_dir), intervention_weights(expected_dir)
-    assert actual.keys() == expected.keys() and actual
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
-    actual_losses = [r["loss"] for r in read_metrics(actual_dir)]
-    expected_losses = [r["loss"] for r in read_metrics(expected_dir)]
-    assert actual_losses == pytest.approx(expected_losses, rel=1e-5)
-
-
-@pytest.fixture(scope="module")
-def runs(tiny_model, tiny_data, tmp_path_factory):
-    """21 examples, global batch 8: the last global batch of each epoch is partial (5 examples), and in it
-    rank 1's last micro-batch is empty."""
-    root = tmp_path_factory.mktemp("runs")
-    data = ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), *COMMON]
-    single = run_script(["train.py", *data, "--output_dir", str(root / "single"),
-                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
-    assert single.returncode == 0, single.stderr[-3000:]
-    ddp = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "ddp"),
-                       "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"],
-                   extra=["--log-dir", str(root / "logs"), "--redirects", "3"])
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    return root, data
 
 
 def test_two_ranks_train_the_same_model_as_train_py(runs):

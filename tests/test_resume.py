@@ -8,22 +8,10 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, run_script
-from test_multigpu import assert_same_model, intervention_weights, torchrun
+from conftest import FAULTS, REPO, assert_same_model, flags, intervention_weights, run_script, torchrun
 
 from alpaca.checkpoint import checkpoints, latest_checkpoint
 from alpaca.output import read_metrics
-
-# Dropout makes the RNG part of the state: an exact resume must restore it.
-FLAGS = ["--layers", "1;3", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--dropout", "0.1",
-         "--max_steps", "9", "--logging_steps", "1", "--num_sample_answers", "0", "--save_strategy", "steps",
-         "--save_steps", "2", "--per_device_train_batch_size", "2", "--warmup_steps", "2"]
-FAULTS = str(REPO / "tests" / "faults.py")
-
-
-def flags(tiny_model, tiny_data, output_dir, *extra):
-    return ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), "--output_dir",
-            str(output_dir), *FLAGS, *extra]
 
 
 def assert_identical_runs(actual_dir, expected_dir):
@@ -34,24 +22,6 @@ def assert_identical_runs(actual_dir, expected_dir):
         assert torch.equal(actual[key], expected[key]), key
     assert [r["step"] for r in read_metrics(actual_dir)] == list(range(1, 10))
     assert [r["loss"] for r in read_metrics(actual_dir)] == [r["loss"] for r in read_metrics(expected_dir)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model, tiny_data, tmp_path_factory):
-    """Uninterrupted runs: one process (accumulation 4) and two (accumulation 2); global batch 8."""
-    root = tmp_path_factory.mktemp("reference")
-    single = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single"),
-                         "--gradient_accumulation_steps", "4"])
-    assert single.returncode == 0, single.stderr[-3000:]
-    ddp = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, root / "ddp"),
-                       "--gradient_accumulation_steps", "2"])
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    assert [path.name for path in checkpoints(root / "single")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
-                                                                   "checkpoint-8"]
-    without_dropout = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single-no-dropout"),
-                                  "--gradient_accumulation_steps", "4", "--dropout", "0"])
-    assert without_dropout.returncode == 0, without_dropout.stderr[-3000:]
-    return root
 
 
 def test_kill_9_then_auto_resume_is_bit_identical(tiny_model, tiny_data, tmp_path, reference):
