@@ -107,8 +107,9 @@ def train(args) -> None:
         records = run_checked(lambda: load_records(args.data_path, args.max_n_train_example, args.seed),
                               participate=True, device=device)
         model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
-        model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
-                                           args.cache_dir)
+        # Under --fsdp the base goes to the GPU only once sharded: each GPU then holds 1/world_size of it.
+        model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
+                                           torch.device("cpu") if args.fsdp else device, args.cache_dir)
         dataset = first_on_local_main(
             lambda: prepare_dataset(records, args.data_path, tokenizer, args.model_max_length,
                                     args.max_n_train_example, args.seed, args.cache_dir), local_rank, device)
@@ -149,7 +150,13 @@ def train(args) -> None:
 
         # -- DDP, or FSDP for the base: only the interventions train, and they are replicated -----------
         if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
-            shard_base_model(model, device, offload="offload" in args.fsdp.split())
+            offload = "offload" in args.fsdp.split()
+            shard_base_model(model, device, offload=offload)
+            if not offload:
+                model.to(device)  # moves this rank's shards only
+            reft_model.interventions.to(device)
+            # pyvene puts its index tensors on the model's device, which is the CPU for offloaded shards.
+            reft_model.get_device = lambda: device
             broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
             train_model = reft_model
         else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
