@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 def train(args) -> None:
     import time
 
+    import numpy as np
     import torch
     from tqdm.auto import tqdm
 
@@ -127,10 +128,11 @@ def train(args) -> None:
 
     progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True)
     window = torch.tensor(window, dtype=torch.float64)  # summed loss, label tokens, tokens seen since the last log
+    lengths = np.array(dataset["length"]) if args.group_by_length else None
     train_start = window_start = time.perf_counter()
     total_tokens = 0
     for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
-            len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch):
+            len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
         if step == plan.total_steps:
             break
         if stop.received:  # preempted: checkpoint the last finished step, then exit non-zero

@@ -33,6 +33,7 @@ def train(args) -> None:
     import sys
     import time
 
+    import numpy as np
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -200,9 +201,10 @@ def train(args) -> None:
         window = torch.tensor(window, dtype=torch.float64, device=device)  # loss sum, label tokens, tokens seen
         rank_tokens = 0
         dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
+        lengths = np.array(dataset["length"]) if args.group_by_length else None
         train_start = window_start = time.perf_counter()
         for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
-                len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch):
+                len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
             if step == plan.total_steps:
                 break
             micro_batches = rank_micro_batches(global_batch, rank, world_size, args.per_device_train_batch_size,

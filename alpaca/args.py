@@ -118,6 +118,9 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="Alpaca-format .json/.jsonl file, or a dataset name on the HF hub")
     flag("--model_max_length", type=int, default=512, help="longer examples are truncated (output first)")
     flag("--max_n_train_example", type=int, default=None, help="train on a seeded random subset of this size")
+    flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,
+         help="batch examples of similar length together (less padding); still seeded and exact across "
+              "process counts. 'false' for uniformly random batches")
 
     group = parser.add_argument_group("intervention")
     flag = group.add_argument

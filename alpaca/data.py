@@ -101,7 +101,7 @@ def load_records(data_path: str, max_n_train_example: int | None = None, seed: i
 
 
 def tokenize(dataset, tokenizer, model_max_length: int):
-    """Adds `input_ids` (prompt + output + eos, truncated) and `prompt_length`; drops examples left
+    """Adds `input_ids` (prompt + output + eos, truncated), `prompt_length` and `length`; drops examples left
     without any output token. Prompt and output are tokenized separately, so the prompt tokens are
     exactly those the model sees at generation time."""
 
@@ -110,14 +110,14 @@ def tokenize(dataset, tokenizer, model_max_length: int):
         prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
         output_ids = tokenizer(batch["output"], add_special_tokens=False)["input_ids"]
         input_ids = [(p + o + [tokenizer.eos_token_id])[:model_max_length] for p, o in zip(prompt_ids, output_ids)]
-        return {"input_ids": input_ids, "prompt_length": [len(p) for p in prompt_ids]}
+        return {"input_ids": input_ids, "prompt_length": [len(p) for p in prompt_ids],
+                "length": [len(ids) for ids in input_ids]}
 
     tokenized = dataset.map(
         tokenize_batch, batched=True, batch_size=1000, remove_columns=dataset.column_names,
         desc="Tokenizing", load_from_cache_file=True,
     )
-    lengths = np.array([len(ids) for ids in tokenized["input_ids"]])
-    keep = np.flatnonzero(lengths > np.array(tokenized["prompt_length"]))
+    keep = np.flatnonzero(np.array(tokenized["length"]) > np.array(tokenized["prompt_length"]))
     if len(keep) == 0:
         raise UsageError(
             f"every example's prompt fills --model_max_length {model_max_length}, no output token is left; "
@@ -127,6 +127,9 @@ def tokenize(dataset, tokenizer, model_max_length: int):
         print(f"Dropped {len(tokenized) - len(keep)} example(s) whose prompt alone reaches --model_max_length.")
         tokenized = tokenized.select(keep)
     return tokenized
+
+
+CACHE_FORMAT = 2  # bump when `tokenize` changes what it stores
 
 
 def _dataset_fingerprint(data_path: str, tokenizer, model_max_length: int, max_n_train_example: int | None,
@@ -142,8 +145,8 @@ def _dataset_fingerprint(data_path: str, tokenizer, model_max_length: int, max_n
         digest.update(data_path.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
-    digest.update(json.dumps([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id, model_max_length,
-                              max_n_train_example, seed, type(tokenizer).__name__]).encode())
+    digest.update(json.dumps([CACHE_FORMAT, PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id,
+                              model_max_length, max_n_train_example, seed, type(tokenizer).__name__]).encode())
     return digest.hexdigest()[:24]
 
 
@@ -251,24 +254,43 @@ class Collator:
         }
 
 
-def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The epoch's example order, cut into global batches (the last one may be partial).
+MEGABATCH = 50  # global batches per length-sorted group, as in HF's LengthGroupedSampler
 
-    It depends only on (seed, epoch, dataset size, global batch size): one process and N processes
-    with the same global batch walk through exactly the same batches, which is what makes them
-    train the same model.
+
+def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: int,
+                   lengths: np.ndarray | None = None) -> list[list[int]]:
+    """The epoch's example order, cut into global batches (one may be partial).
+
+    It depends only on (seed, epoch, the examples' lengths, global batch size): one process and N
+    processes with the same global batch walk through exactly the same batches, which is what makes
+    them train the same model, and a resumed run finds its place again.
+
+    With `lengths` (--group_by_length), the shuffled order is cut into megabatches of MEGABATCH global
+    batches, each sorted by length (longest first) and cut into global batches of similar lengths,
+    whose order is then shuffled. A micro-batch is padded to its longest example, so this removes most
+    padding. The trade-off: a step's examples are no longer a uniform sample of lengths, so the loss
+    varies more from step to step (long and short answers have different per-token losses).
     """
-    order = np.random.default_rng([seed, epoch]).permutation(num_examples).tolist()
-    return [order[start : start + global_batch_size] for start in range(0, num_examples, global_batch_size)]
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(num_examples)
+    if lengths is None:
+        return [order[i : i + global_batch_size].tolist() for i in range(0, num_examples, global_batch_size)]
+    span = global_batch_size * MEGABATCH
+    batches = []
+    for start in range(0, num_examples, span):
+        megabatch = order[start : start + span]
+        megabatch = megabatch[np.argsort(-lengths[megabatch], kind="stable")]
+        batches += [megabatch[i : i + global_batch_size].tolist() for i in range(0, len(megabatch), global_batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
 
 
 def iterate_global_batches(num_examples: int, global_batch_size: int, seed: int, start_epoch: int = 0,
-                           start_batch: int = 0):
+                           start_batch: int = 0, lengths: np.ndarray | None = None):
     """Endless walk through the plan from (epoch, batch index) on: yields (epoch, index, global batch, last
     of its epoch?). Resuming at a position gives exactly the batches an uninterrupted run sees next."""
     epoch = start_epoch
     while True:
-        batches = global_batches(num_examples, global_batch_size, seed, epoch)
+        batches = global_batches(num_examples, global_batch_size, seed, epoch, lengths)
         first = start_batch if epoch == start_epoch else 0
         for index in range(first, len(batches)):
             yield epoch, index, batches[index], index == len(batches) - 1

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model
@@ -117,3 +118,18 @@ def test_micro_batches_partition_each_global_batch(world_size, per_device, accum
         assert all(len(micro) <= per_device for shard in shards for micro in shard)
         seen = [i for shard in shards for micro in shard for i in micro]
         assert sorted(seen) == sorted(global_batch)
+
+
+def test_length_grouping_keeps_the_plan_exact_and_cuts_padding():
+    lengths = np.random.default_rng(0).integers(20, 500, size=1003)
+    grouped = global_batches(1003, 8, seed=5, epoch=0, lengths=lengths)
+    assert grouped == global_batches(1003, 8, seed=5, epoch=0, lengths=lengths)
+    assert grouped != global_batches(1003, 8, seed=5, epoch=1, lengths=lengths)
+    assert sorted(i for batch in grouped for i in batch) == list(range(1003))
+    assert sorted(len(batch) for batch in grouped)[1:] == [8] * 125  # one partial batch of 3
+
+    def padded(batches):  # tokens computed when each batch is padded to its longest example
+        return sum(len(batch) * lengths[batch].max() for batch in batches)
+
+    random_batches = global_batches(1003, 8, seed=5, epoch=0)
+    assert padded(grouped) < 0.65 * padded(random_batches)
