@@ -38,11 +38,9 @@ def train(args) -> None:
     from alpaca.args import parse_position
     from alpaca.checkpoint import (
         StopSignal,
-        check_resumable,
         load_checkpoint,
-        load_intervention_states,
         prepare_output_dir,
-        restore_rng_state,
+        restore_training_state,
         rng_state,
         save_checkpoint,
         trainer_state,
@@ -98,15 +96,8 @@ def train(args) -> None:
     optimizer, scheduler = build_optimizer(reft_model, args, plan)
     step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
     if resume_from is not None:
-        states, saved = load_checkpoint(resume_from)
-        check_resumable(saved, args, 1, len(dataset))
-        load_intervention_states(reft_model, states)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        if saved["geometry"]["world_size"] == 1:
-            restore_rng_state(saved["rng"][0], device)
-        step, start_epoch, start_batch, window = saved["step"], saved["epoch"], saved["next_batch"], saved["window"]
-        wandb_run_id = saved["wandb_run_id"]
+        step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
+            load_checkpoint(resume_from), args, reft_model, optimizer, scheduler, 0, 1, len(dataset), device)
     print(f"{describe(reft_model, len(dataset), device)}\n"
           f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
           f"{args.gradient_accumulation_steps} accumulation | {plan.total_steps} steps ({plan.steps_per_epoch} "

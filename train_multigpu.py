@@ -42,11 +42,9 @@ def train(args) -> None:
     from alpaca.args import parse_position
     from alpaca.checkpoint import (
         StopSignal,
-        check_resumable,
         load_checkpoint,
-        load_intervention_states,
         prepare_output_dir,
-        restore_rng_state,
+        restore_training_state,
         rng_state,
         save_checkpoint,
         trainer_state,
@@ -138,16 +136,8 @@ def train(args) -> None:
             # Rank 0 reads the checkpoint and sends it: other nodes need not see rank 0's disk.
             loaded = [run_checked(lambda: load_checkpoint(resume[0]), participate=is_main, device=device)]
             dist.broadcast_object_list(loaded, src=0)
-            states, saved = loaded[0]
-            check_resumable(saved, args, world_size, len(dataset))
-            load_intervention_states(reft_model, states)
-            optimizer.load_state_dict(saved["optimizer"])
-            scheduler.load_state_dict(saved["scheduler"])
-            if saved["geometry"]["world_size"] == world_size:  # else dropout streams restart: same plan
-                restore_rng_state(saved["rng"][rank], device)
-            step, start_epoch, start_batch = saved["step"], saved["epoch"], saved["next_batch"]
-            window = saved["window"] if is_main else window  # the saved window is the sum over ranks
-            wandb_run_id = saved["wandb_run_id"]
+            step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
+                loaded[0], args, reft_model, optimizer, scheduler, rank, world_size, len(dataset), device)
 
         # -- DDP, or FSDP for the base: only the interventions train, and they are replicated -----------
         if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step

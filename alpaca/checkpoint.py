@@ -160,6 +160,21 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
             torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False))
 
 
+def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, optimizer,
+                           scheduler, rank: int, world_size: int, num_examples: int, device: torch.device):
+    """Load a checkpoint into the training objects; returns where training goes on:
+    (step, epoch, next batch, logging window, wandb run id)."""
+    states, saved = checkpoint
+    check_resumable(saved, args, world_size, num_examples)
+    load_intervention_states(reft_model, states)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
+        restore_rng_state(saved["rng"][rank], device)
+    window = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]  # the saved window is the sum over ranks
+    return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
+
+
 def geometry(args: argparse.Namespace, world_size: int) -> dict:
     return {"world_size": world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
