@@ -183,7 +183,7 @@ def train(args) -> None:
                 participate=is_main, device=device)
 
         # -- train ------------------------------------------------------------------------------------
-        # A rank whose share of a (partial, last) global batch is empty still runs its last micro-step on
+        # A rank whose share of a (partial) global batch is empty still runs its last micro-step on
         # this batch with zero weight: DDP's gradient all-reduce needs every rank.
         placeholder = collate([dataset[0]])
         progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,

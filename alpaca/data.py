@@ -303,7 +303,7 @@ def rank_micro_batches(
     """This rank's `accumulation_steps` micro-batches of a global batch.
 
     The global batch is cut into consecutive chunks of `per_device_batch_size`; chunk k goes to
-    micro-step k // world_size of rank k % world_size. In a partial last global batch some
+    micro-step k // world_size of rank k % world_size. In a partial global batch some
     micro-batches are empty: the rank still takes part in the step with a zero contribution.
     """
     chunks = [
