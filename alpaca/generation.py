@@ -51,14 +51,15 @@ def _wrap(text: str, width: int) -> list[str]:
     return [piece for line in (text or "(empty)").splitlines() for piece in (textwrap.wrap(line, width) or [""])]
 
 
-def side_by_side(rows: list[tuple[str, str, str]], width: int | None = None) -> str:
-    """Instruction, then base and ReFT answers in two columns."""
+def side_by_side(rows: list[tuple[str, str, str]], width: int | None = None,
+                 headers: tuple[str, str] = ("BASE MODEL", "REFT MODEL")) -> str:
+    """Instruction, then two answers (by default base and ReFT) in two columns."""
     width = width or min(shutil.get_terminal_size((120, 20)).columns, 140)
     column = (width - 3) // 2
     lines = []
     for instruction, base, reft in rows:
         lines += ["=" * width, textwrap.shorten(f"Instruction: {instruction}", width), "-" * width]
-        lines.append(f"{'BASE MODEL':<{column}} | REFT MODEL")
+        lines.append(f"{headers[0][:column]:<{column}} | {headers[1]}")
         left, right = _wrap(base, column), _wrap(reft, column)
         for index in range(max(len(left), len(right))):
             lines.append(f"{(left[index] if index < len(left) else ''):<{column}} | "

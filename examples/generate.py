@@ -1,0 +1,83 @@
+"""Answers of the base model and of a trained ReFT model side by side (or of two trained runs: --compare).
+
+    python examples/generate.py --reft_dir output
+    python examples/generate.py --reft_dir out --instruction "Name three primary colors." --max_new_tokens 64
+    python examples/generate.py --reft_dir single_gpu_run --compare multi_gpu_run --instructions_file prompts.txt
+
+The base model and the intervention positions come from the run's training_args.json unless given. Greedy
+decoding; the interventions act on the prompt's positions, as in training.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
+
+from alpaca.args import UsageError, exit_on_usage_error, parse_position  # noqa: E402
+
+PROG = "generate.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--reft_dir", required=True, help="a training output_dir (or a checkpoint-<step> in it)")
+    parser.add_argument("--compare", default=None, help="a second output_dir: its answers replace the base's")
+    parser.add_argument("--model_name_or_path", default=None, help="default: the one the run trained on")
+    parser.add_argument("--instruction", action="append", default=[], help="repeatable")
+    parser.add_argument("--instructions_file", default=None, help="one instruction per line")
+    parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    return parser.parse_args(argv)
+
+
+def run_settings(directory: str) -> dict:
+    """The flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
+    path = Path(directory)
+    for candidate in (path / "training_args.json", path.parent / "training_args.json"):
+        if candidate.exists():
+            return json.loads(candidate.read_text())
+    raise UsageError(f"{directory!r} has no training_args.json; pass an output_dir written by train.py")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        generate(args)
+    except UsageError as error:
+        exit_on_usage_error(PROG, error)
+
+
+def generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, side_by_side
+    from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
+    from alpaca.output import load_reft_model
+
+    runs = [args.reft_dir] + ([args.compare] if args.compare else [])
+    settings = [run_settings(run) for run in runs]
+    instructions = list(args.instruction)
+    if args.instructions_file:
+        instructions += [line.strip() for line in Path(args.instructions_file).read_text().splitlines() if line.strip()]
+    instructions = instructions or SAMPLE_INSTRUCTIONS
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_base_model(args.model_name_or_path or settings[0]["model_name_or_path"],
+                                       resolve_dtype(args.dtype, device), device)
+    answers = []
+    for run, run_args in zip(runs, settings):
+        reft_model = load_reft_model(run, model)
+        position = parse_position(run_args["position"])
+        num_layers = num_intervened_layers(reft_model, position, run_args["share_weights"])
+        answers.append([answer(reft_model, tokenizer, instruction, position, run_args["share_weights"], num_layers,
+                               args.max_new_tokens) for instruction in instructions])
+    if args.compare:
+        rows = [(i, first[1], second[1]) for i, first, second in zip(instructions, *answers)]
+        print(side_by_side(rows, headers=(args.reft_dir, args.compare)))
+    else:
+        print(side_by_side([(i, *pair) for i, pair in zip(instructions, answers[0])]))
+
+
+if __name__ == "__main__":
+    main()
