@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
 def train(args) -> None:
     import contextlib
     import datetime
+    import gc
     import resource
     import socket
     import sys
@@ -284,6 +285,10 @@ def train(args) -> None:
                    if args.num_sample_answers > 0 and (is_main or args.fsdp) else None)
         run_checked(write_outputs, participate=is_main, device=device)
     finally:
+        # Free DDP (its reducer sits in reference cycles) while the interpreter is fully alive: gloo work
+        # objects destroyed during interpreter shutdown can abort a process that finished its run.
+        train_model = None  # noqa: F841
+        gc.collect()
         dist.destroy_process_group()
 
 
