@@ -45,9 +45,16 @@ def train(args) -> None:
         save_checkpoint,
         trainer_state,
     )
-    from alpaca.data import Collator, iterate_global_batches, load_records, prepare_dataset, rank_micro_batches
+    from alpaca.data import (
+        Collator,
+        eval_batches,
+        iterate_global_batches,
+        load_splits,
+        prepare_dataset,
+        rank_micro_batches,
+    )
     from alpaca.generation import sample_answers
-    from alpaca.loss import summed_token_loss, token_weighted_loss
+    from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,
         check_model,
@@ -59,7 +66,7 @@ def train(args) -> None:
         resolve_dtype,
     )
     from alpaca.optim import StepPlan, build_optimizer, clip_gradients
-    from alpaca.output import MetricsLog, plot_loss, save_args, save_interventions
+    from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
 
     started = time.perf_counter()
     # -- device: one, never nn.DataParallel ---------------------------------------------------------
@@ -76,12 +83,14 @@ def train(args) -> None:
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
     # -- data and model: what can be checked is checked before the model's weights are loaded ------------
-    records = load_records(args.data_path, args.max_n_train_example, args.seed)
+    records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
+                                        args.max_n_train_example, args.seed)
     model_path = check_model(args)  # --layers and --rank against the model's config
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
                                        args.cache_dir)
-    dataset = prepare_dataset(records, args.data_path, tokenizer, args.model_max_length, args.max_n_train_example,
-                              args.seed, args.cache_dir)
+    dataset = prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir)
+    eval_dataset = prepare_dataset(eval_records, tokenizer, args.model_max_length, args.cache_dir) if (
+        eval_records is not None) else None
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
@@ -101,7 +110,8 @@ def train(args) -> None:
     print(f"{describe(reft_model, len(dataset), device)}\n"
           f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
           f"{args.gradient_accumulation_steps} accumulation | {plan.total_steps} steps ({plan.steps_per_epoch} "
-          f"per epoch)" + (f" | resuming {resume_from} at step {step}" if resume_from else "")
+          f"per epoch)" + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
+          + (f" | resuming {resume_from} at step {step}" if resume_from else "")
           + f" | ready in {time.perf_counter() - started:.1f}s")
 
     # -- train --------------------------------------------------------------------------------------
@@ -120,8 +130,9 @@ def train(args) -> None:
     progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True)
     window = torch.tensor(window, dtype=torch.float64)  # summed loss, label tokens, tokens seen since the last log
     lengths = np.array(dataset["length"]) if args.group_by_length else None
+    eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
     train_start = window_start = time.perf_counter()
-    total_tokens = 0
+    total_tokens, eval_time = 0, 0.0
     for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
             len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
         if step == plan.total_steps:
@@ -148,30 +159,32 @@ def train(args) -> None:
         step += 1
         progress.update()
         if plan.should_log(step):
-            loss_sum, label_tokens, seen = window.tolist()
-            record = {"step": step, "epoch": round(step / plan.steps_per_epoch, 4), "loss": loss_sum / label_tokens,
-                      "learning_rate": learning_rate, "grad_norm": grad_norm,
-                      "tokens_per_s": seen / (time.perf_counter() - window_start),
-                      "elapsed_s": time.perf_counter() - train_start}
-            metrics.write(record)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{learning_rate:.2e}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}")
-            total_tokens += seen
+            now = time.perf_counter()
+            metrics.write(train_record(step, plan.steps_per_epoch, window.tolist(), learning_rate, grad_norm,
+                                       now - window_start, now - train_start), progress)
+            total_tokens += int(window[2])
             window.zero_()
             window_start = time.perf_counter()
+        if plan.should_evaluate(step, end_of_epoch):
+            eval_start = time.perf_counter()
+            totals = evaluate(reft_model, eval_dataset, eval_plan, collate, device)
+            seconds = time.perf_counter() - eval_start
+            metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset), seconds),
+                          progress)
+            window_start += seconds  # tokens/s counts training time only
+            eval_time += seconds
         if plan.should_save(step, end_of_epoch, args.save_strategy):
             checkpoint(epoch, next_batch=index + 1)
     progress.close()
-    train_time = time.perf_counter() - train_start
+    train_time = time.perf_counter() - train_start - eval_time
 
     # -- output ---------------------------------------------------------------------------------------
     save_interventions(reft_model, args.output_dir)
     metrics.close()
     plot_loss(args.output_dir)
-    losses = [record["loss"] for record in metrics.records()]
-    print(f"Trained to step {step} in {train_time:.0f}s ({total_tokens / train_time:.0f} tokens/s); loss "
-          f"{losses[0]:.4f} -> {losses[-1]:.4f}. Interventions (pyreft format), arguments, metrics and loss.png "
-          f"in {args.output_dir}/")
+    print(f"Trained to step {step} in {train_time:.0f}s ({total_tokens / train_time:.0f} tokens/s); "
+          f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
+          f"{args.output_dir}/")
     if args.num_sample_answers > 0:
         print(sample_answers(reft_model, tokenizer, args, position, num_layers))
     print(f"Done in {time.perf_counter() - started:.0f}s.")

@@ -50,17 +50,25 @@ def train(args) -> None:
         save_checkpoint,
         trainer_state,
     )
-    from alpaca.data import Collator, iterate_global_batches, load_records, prepare_dataset, rank_micro_batches
+    from alpaca.data import (
+        Collator,
+        eval_batches,
+        iterate_global_batches,
+        load_splits,
+        prepare_dataset,
+        rank_micro_batches,
+    )
     from alpaca.distributed import (
         average_gradients,
         broadcast_from_rank_zero,
         first_on_local_main,
         local_parameter_bytes,
+        no_forward_buffer_sync,
         run_checked,
         shard_base_model,
     )
     from alpaca.generation import sample_answers
-    from alpaca.loss import summed_token_loss, token_weighted_loss
+    from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,
         check_model,
@@ -72,7 +80,7 @@ def train(args) -> None:
         resolve_dtype,
     )
     from alpaca.optim import StepPlan, build_optimizer, clip_gradients
-    from alpaca.output import MetricsLog, plot_loss, save_args, save_interventions
+    from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
 
     started = time.perf_counter()
     # -- process group: torchrun / accelerate set these; plain `python` is a world of one ----------------
@@ -85,6 +93,10 @@ def train(args) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():  # torchrun stops the other ranks; one of them says why
+            sys.exit(f"{PROG}: error: {torch.cuda.device_count()} GPU(s) visible on this node for more processes; "
+                     f"launch with --nproc_per_node {torch.cuda.device_count()}" if local_rank ==
+                     torch.cuda.device_count() else 2)
         device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -104,15 +116,16 @@ def train(args) -> None:
 
         # -- data and model: checked before the weights load; caches are filled by each node's first
         # process (model conversion, tokenization), then read by the others ------------------------------
-        records = run_checked(lambda: load_records(args.data_path, args.max_n_train_example, args.seed),
-                              participate=True, device=device)
+        records, eval_records = run_checked(
+            lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
+                                args.seed), participate=True, device=device)
         model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
         # Under --fsdp the base goes to the GPU only once sharded: each GPU then holds 1/world_size of it.
         model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
                                            torch.device("cpu") if args.fsdp else device, args.cache_dir)
-        dataset = first_on_local_main(
-            lambda: prepare_dataset(records, args.data_path, tokenizer, args.model_max_length,
-                                    args.max_n_train_example, args.seed, args.cache_dir), local_rank, device)
+        dataset, eval_dataset = first_on_local_main(
+            lambda: [None if split is None else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir)
+                     for split in (records, eval_records)], local_rank, device)
         if len(dataset) < world_size:
             raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
                              "at least one; use fewer processes or more data")
@@ -153,7 +166,7 @@ def train(args) -> None:
             train_model = reft_model
         else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
             # fixed base) never change: no re-broadcast before each forward.
-            train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, forward_sync_buffers=False,
+            train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
                                                   device_ids=[local_rank] if device.type == "cuda" else None)
         check_replicated(parameters, device, ddp_model=None if args.fsdp else train_model)
         base_bytes = local_parameter_bytes(model)
@@ -164,6 +177,7 @@ def train(args) -> None:
                   f"steps ({plan.steps_per_epoch} per epoch) | {backend} | base model "
                   f"{'sharded (FSDP)' if args.fsdp else 'replicated (DDP)'}: {base_bytes / 2**20:.1f} MiB of "
                   f"parameters on rank 0"
+                  + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
                   + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
                   + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
             resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
@@ -193,6 +207,11 @@ def train(args) -> None:
         rank_tokens = 0
         dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
         lengths = np.array(dataset["length"]) if args.group_by_length else None
+        # Each rank evaluates every world_size-th batch; under FSDP all ranks run as many forwards.
+        eval_plan = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
+                     if eval_dataset else [])
+        eval_forwards = -(-len(eval_plan) // world_size) if args.fsdp else None
+        eval_time = 0.0
         train_start = window_start = time.perf_counter()
         for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
                 len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
@@ -240,21 +259,27 @@ def train(args) -> None:
             if plan.should_log(step):
                 logged = window.clone()
                 dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
-                loss_sum, label_tokens, seen = logged.tolist()
                 if is_main:
-                    record = {"step": step, "epoch": round(step / plan.steps_per_epoch, 4),
-                              "loss": loss_sum / label_tokens, "learning_rate": learning_rate,
-                              "grad_norm": grad_norm, "tokens_per_s": seen / (time.perf_counter() - window_start),
-                              "elapsed_s": time.perf_counter() - train_start}
-                    metrics.write(record)
-                    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{learning_rate:.2e}",
-                                         tok_s=f"{record['tokens_per_s']:.0f}")
+                    now = time.perf_counter()
+                    metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate, grad_norm,
+                                               now - window_start, now - train_start), progress)
                 window.zero_()
                 window_start = time.perf_counter()
+            if plan.should_evaluate(step, end_of_epoch):
+                eval_start = time.perf_counter()
+                totals = evaluate(reft_model, eval_dataset, eval_plan[rank::world_size], collate, device,
+                                  eval_forwards)
+                dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
+                seconds = time.perf_counter() - eval_start
+                if is_main:
+                    metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset),
+                                              seconds), progress)
+                window_start += seconds  # tokens/s counts training time only
+                eval_time += seconds
             if plan.should_save(step, end_of_epoch, args.save_strategy):
                 checkpoint(epoch, next_batch=index + 1)
         progress.close()
-        train_time = time.perf_counter() - train_start
+        train_time = time.perf_counter() - train_start - eval_time
 
         # -- report: throughput and peak memory of every rank ---------------------------------------------
         peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
@@ -269,12 +294,11 @@ def train(args) -> None:
             save_interventions(reft_model, args.output_dir)
             metrics.close()
             plot_loss(args.output_dir)
-            losses = [record["loss"] for record in metrics.records()]
             rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
                               for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
             print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: "
-                  f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); loss {losses[0]:.4f} -> "
-                  f"{losses[-1]:.4f}. Interventions (pyreft format), arguments, metrics and loss.png in "
+                  f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); "
+                  f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
                   f"{args.output_dir}/")
             if answers:
                 print(answers)

@@ -118,6 +118,9 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="Alpaca-format .json/.jsonl file, or a dataset name on the HF hub")
     flag("--model_max_length", type=int, default=512, help="longer examples are truncated (output first)")
     flag("--max_n_train_example", type=int, default=None, help="train on a seeded random subset of this size")
+    flag("--eval_data_path", default=None, help="held-out Alpaca-format data to report an eval loss on")
+    flag("--eval_split_ratio", type=float, default=None,
+         help="instead, hold out this fraction of --data_path (seeded) as evaluation data, e.g. 0.05")
     flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,
          help="batch examples of similar length together (less padding); still seeded and exact across "
               "process counts. 'false' for uniformly random batches")
@@ -140,7 +143,7 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--num_train_epochs", type=float, default=2.0)
     flag("--max_steps", type=int, default=-1, help="if > 0, number of optimizer steps (overrides epochs)")
     flag("--per_device_train_batch_size", type=int, default=8)
-    flag("--per_device_eval_batch_size", type=int, default=8, help="accepted for pyreft compatibility")
+    flag("--per_device_eval_batch_size", type=int, default=8)
     flag("--gradient_accumulation_steps", type=int, default=1)
     flag("--learning_rate", type=float, default=4e-3)
     flag("--weight_decay", type=float, default=0.0,
@@ -158,8 +161,12 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag = group.add_argument
     flag("--output_dir", default="output", help="where the interventions, arguments and metrics are written")
     flag("--logging_steps", type=float, default=10, help="log every N optimizer steps")
-    flag("--eval_strategy", "--evaluation_strategy", dest="eval_strategy", default="no", choices=["no"],
-         help="evaluation during training is not implemented yet")
+    flag("--eval_strategy", "--evaluation_strategy", dest="eval_strategy", default=None,
+         choices=["no", "steps", "epoch"],
+         help="when to compute the eval loss (and always after the last step); default: epoch when evaluation "
+              "data is given, else no")
+    flag("--eval_steps", type=float, default=None,
+         help="with --eval_strategy steps; default: --logging_steps; below 1: a fraction of the run")
     flag("--save_strategy", default="no", choices=["no", "steps", "epoch"],
          help="periodic checkpoints in output_dir/checkpoint-<step>; the final interventions are always saved")
     flag("--save_steps", type=float, default=500, help="with --save_strategy steps; below 1: a fraction of the run")
@@ -215,11 +222,35 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
     if args.save_strategy == "steps" and args.save_steps <= 0:
         raise UsageError(f"--save_steps must be positive, got {args.save_steps}")
-    if os.path.isdir(args.data_path):
-        raise UsageError(f"--data_path {args.data_path!r} is a directory; pass an Alpaca .json/.jsonl file")
-    data_is_file = args.data_path.endswith((".json", ".jsonl")) or os.path.sep in args.data_path
-    if data_is_file and not os.path.isfile(args.data_path):
-        raise UsageError(f"--data_path {args.data_path!r} does not exist; pass an Alpaca .json/.jsonl file")
+    check_data_path("--data_path", args.data_path)
+    validate_eval(args)
+
+
+def check_data_path(flag: str, path: str) -> None:
+    """A local file that exists, or a name that can only mean an HF hub dataset."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory; pass an Alpaca .json/.jsonl file")
+    is_file = path.endswith((".json", ".jsonl")) or os.path.sep in path
+    if is_file and not os.path.isfile(path):
+        raise UsageError(f"{flag} {path!r} does not exist; pass an Alpaca .json/.jsonl file")
+
+
+def validate_eval(args: argparse.Namespace) -> None:
+    """Evaluation data comes from a file or a held-out split; the strategy defaults to once per epoch."""
+    if args.eval_data_path and args.eval_split_ratio is not None:
+        raise UsageError("--eval_data_path and --eval_split_ratio are exclusive; pass one")
+    if args.eval_split_ratio is not None and not 0 < args.eval_split_ratio < 1:
+        raise UsageError(f"--eval_split_ratio must be in (0, 1), e.g. 0.05, got {args.eval_split_ratio}")
+    if args.eval_data_path:
+        check_data_path("--eval_data_path", args.eval_data_path)
+    has_eval_data = bool(args.eval_data_path) or args.eval_split_ratio is not None
+    if args.eval_strategy is None:
+        args.eval_strategy = "epoch" if has_eval_data else "no"
+    if args.eval_strategy != "no" and not has_eval_data:
+        raise UsageError(f"--eval_strategy {args.eval_strategy} needs evaluation data; pass --eval_data_path FILE "
+                         "or --eval_split_ratio 0.05")
+    if args.eval_steps is not None and args.eval_steps <= 0:
+        raise UsageError(f"--eval_steps must be positive, got {args.eval_steps}")
 
 
 def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False) -> argparse.Namespace:

@@ -36,12 +36,12 @@ def format_prompt(instruction: str, input: str | None = "") -> str:
     return PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-def _read_local_records(path: str) -> list[dict]:
+def _read_local_records(path: str, flag: str) -> list[dict]:
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read --data_path {path!r}: {error}") from None
+        raise UsageError(f"cannot read {flag} {path!r}: {error}") from None
     if path.endswith(".jsonl"):
         records = []
         for number, line in enumerate(text.splitlines(), start=1):
@@ -49,17 +49,17 @@ def _read_local_records(path: str) -> list[dict]:
                 if line.strip():
                     records.append(json.loads(line))
             except json.JSONDecodeError as error:
-                raise UsageError(f"line {number} of --data_path {path!r} is not valid JSON ({error}); "
+                raise UsageError(f"line {number} of {flag} {path!r} is not valid JSON ({error}); "
                                  "JSONL needs one JSON record per line") from None
         return records
     try:
         records = json.loads(text)
     except json.JSONDecodeError as error:
         raise UsageError(
-            f"--data_path {path!r} is not valid JSON ({error}); fix the file or convert it to JSON/JSONL"
+            f"{flag} {path!r} is not valid JSON ({error}); fix the file or convert it to JSON/JSONL"
         ) from None
     if not isinstance(records, list):
-        raise UsageError(f"--data_path {path!r} must hold a JSON list of records (or be JSONL, one record per line)")
+        raise UsageError(f"{flag} {path!r} must hold a JSON list of records (or be JSONL, one record per line)")
     return records
 
 
@@ -78,13 +78,13 @@ def check_records(records: list[dict], source: str) -> None:
         raise UsageError(f"{source} holds no records; pass an Alpaca file with at least one example")
 
 
-def load_records(data_path: str, max_n_train_example: int | None = None, seed: int = 42):
+def load_records(data_path: str, flag: str = "--data_path"):
     """Alpaca records from a local .json/.jsonl file or an HF hub dataset, as a `datasets.Dataset`."""
     import datasets
 
     if os.path.isfile(data_path):
-        records = _read_local_records(data_path)
-        check_records(records, repr(data_path))
+        records = _read_local_records(data_path, flag)
+        check_records(records, f"{flag} {data_path!r}")
         dataset = datasets.Dataset.from_dict({
             "instruction": [r["instruction"] for r in records],
             "input": [r.get("input") or "" for r in records],
@@ -94,10 +94,28 @@ def load_records(data_path: str, max_n_train_example: int | None = None, seed: i
         dataset = datasets.load_dataset(data_path, split="train")
         if "input" not in dataset.column_names:
             dataset = dataset.add_column("input", [""] * len(dataset))
-        check_records(dataset.select(range(min(len(dataset), 1000))).to_list(), repr(data_path))
-    if max_n_train_example is not None and max_n_train_example < len(dataset):
-        dataset = dataset.shuffle(seed=seed).select(range(max_n_train_example))
+        check_records(dataset.select(range(min(len(dataset), 1000))).to_list(), f"{flag} {data_path!r}")
     return dataset
+
+
+def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ratio: float | None = None,
+                max_n_train_example: int | None = None, seed: int = 42):
+    """(training records, evaluation records or None). A held-out split is taken first, so
+    --max_n_train_example never takes evaluation examples; both selections are seeded."""
+    records = load_records(data_path)
+    eval_records = None
+    if eval_split_ratio is not None:
+        try:
+            split = records.train_test_split(test_size=eval_split_ratio, seed=seed)
+        except ValueError:  # a split left empty
+            raise UsageError(f"--eval_split_ratio {eval_split_ratio} of {len(records)} examples leaves one side "
+                             "empty; change the ratio or pass --eval_data_path") from None
+        records, eval_records = split["train"], split["test"]
+    elif eval_data_path:
+        eval_records = load_records(eval_data_path, "--eval_data_path")
+    if max_n_train_example is not None and max_n_train_example < len(records):
+        records = records.shuffle(seed=seed).select(range(max_n_train_example))
+    return records, eval_records
 
 
 def tokenize(dataset, tokenizer, model_max_length: int):
@@ -132,32 +150,24 @@ def tokenize(dataset, tokenizer, model_max_length: int):
 CACHE_FORMAT = 2  # bump when `tokenize` changes what it stores
 
 
-def _dataset_fingerprint(data_path: str, tokenizer, model_max_length: int, max_n_train_example: int | None,
-                         seed: int) -> str:
-    """Everything the tokenized dataset depends on: the data's bytes (or hub name), the tokenizer's full
-    serialization, the templates and the truncation/subset settings."""
-    digest = hashlib.sha256()
-    if os.path.isfile(data_path):
-        with open(data_path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 20), b""):
-                digest.update(block)
-    else:
-        digest.update(data_path.encode())
+def _dataset_fingerprint(records, tokenizer, model_max_length: int) -> str:
+    """Everything the tokenized dataset depends on: the records (datasets' own fingerprint, a hash of
+    the content and of the seeded selections and splits made of it), the tokenizer's full
+    serialization, the templates and the truncation length."""
+    digest = hashlib.sha256(records._fingerprint.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
     digest.update(json.dumps([CACHE_FORMAT, PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id,
-                              model_max_length, max_n_train_example, seed, type(tokenizer).__name__]).encode())
+                              model_max_length, type(tokenizer).__name__]).encode())
     return digest.hexdigest()[:24]
 
 
-def prepare_dataset(records, data_path: str, tokenizer, model_max_length: int,
-                    max_n_train_example: int | None = None, seed: int = 42, cache_dir: str | None = None):
-    """`load_records`' output -> tokenized dataset, cached on disk so that later runs (and the other ranks
-    of this run) load it in a second instead of tokenizing again."""
+def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | None = None):
+    """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
+    load it in a second instead of tokenizing again."""
     import datasets
 
-    path = cache_root(cache_dir) / "tokenized" / _dataset_fingerprint(
-        data_path, tokenizer, model_max_length, max_n_train_example, seed)
+    path = cache_root(cache_dir) / "tokenized" / _dataset_fingerprint(records, tokenizer, model_max_length)
     if not path.exists():
         dataset = tokenize(records, tokenizer, model_max_length)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,6 +322,13 @@ def rank_micro_batches(
     ]
     chunks += [[]] * (world_size * accumulation_steps - len(chunks))
     return chunks[rank::world_size]
+
+
+def eval_batches(lengths: np.ndarray, batch_size: int) -> list[list[int]]:
+    """The evaluation set sorted by length (least padding) and cut into batches. The eval loss is a sum over
+    tokens, so it does not depend on how the batches are spread over ranks."""
+    order = np.argsort(-lengths, kind="stable")
+    return [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
 
 
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:

@@ -82,9 +82,24 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:
-    """What DDP does at construction, for modules outside DDP: every rank starts from rank 0's values."""
+    """What DDP does at construction, for modules outside DDP: every rank starts from rank 0's values.
+    NCCL sends contiguous tensors only (the orthogonal parametrization's are not)."""
     for tensor in tensors:
-        dist.broadcast(tensor.data, src=0)
+        sent = tensor.data.contiguous()
+        dist.broadcast(sent, src=0)
+        if sent is not tensor.data:
+            tensor.data.copy_(sent)
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's option not to re-broadcast buffers before every forward: `forward_sync_buffers` since torch
+    2.13, `broadcast_buffers` (deprecated there) before."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
 
 
 def average_gradients(parameters: list[torch.Tensor], world_size: int) -> None:

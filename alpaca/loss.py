@@ -46,3 +46,28 @@ def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world
     unlike a mean of micro-batch means. DDP averages gradients over ranks, hence `* world_size`.
     """
     return summed_loss * (world_size / step_label_tokens)
+
+
+@torch.no_grad()
+def evaluate(reft_model, dataset, batches: list[list[int]], collate, device: torch.device,
+             num_forwards: int | None = None) -> torch.Tensor:
+    """(summed token loss, label tokens) over `batches`, in float64 on `device`, with the interventions in
+    eval mode (no dropout). Ranks all-reduce these two numbers: the eval loss is their ratio.
+
+    `num_forwards` beyond len(batches) adds forwards whose result is dropped: a sharded (FSDP) base
+    answers only when every rank runs each forward, and ranks may hold one batch fewer than others.
+    """
+    from alpaca.model import set_train_mode
+
+    set_train_mode(reft_model, False)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    try:
+        for indices in batches:
+            batch = collate([dataset[i] for i in indices])
+            totals[0] += summed_token_loss(reft_model, batch, device).double()
+            totals[1] += batch["num_label_tokens"]
+        for _ in range((num_forwards or 0) - len(batches)):
+            summed_token_loss(reft_model, collate([dataset[0]]), device)
+    finally:
+        set_train_mode(reft_model, True)
+    return totals

@@ -20,6 +20,8 @@ class StepPlan:
     warmup_steps: int
     logging_interval: int
     save_interval: int | None  # None: checkpoints at epoch ends (--save_strategy epoch) or never
+    eval_strategy: str = "no"
+    eval_interval: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, num_examples: int, world_size: int) -> StepPlan:
@@ -30,11 +32,21 @@ class StepPlan:
         # HF semantics: a logging_steps below 1 is a fraction of the run.
         interval = math.ceil(args.logging_steps * total) if args.logging_steps < 1 else int(args.logging_steps)
         save = math.ceil(args.save_steps * total) if args.save_steps < 1 else int(args.save_steps)
+        eval_steps = args.eval_steps or args.logging_steps  # HF: eval_steps defaults to logging_steps
+        evaluate = math.ceil(eval_steps * total) if eval_steps < 1 else int(eval_steps)
         return cls(global_batch_size, epoch_steps, total, warmup, max(1, interval),
-                   max(1, save) if args.save_strategy == "steps" else None)
+                   max(1, save) if args.save_strategy == "steps" else None, args.eval_strategy, max(1, evaluate))
 
     def should_log(self, step: int) -> bool:
         return step % self.logging_interval == 0 or step == self.total_steps
+
+    def should_evaluate(self, step: int, end_of_epoch: bool) -> bool:
+        """At each --eval_strategy point, and after the last step so every run reports a final eval loss."""
+        if self.eval_strategy == "no":
+            return False
+        if step == self.total_steps:
+            return True
+        return end_of_epoch if self.eval_strategy == "epoch" else step % self.eval_interval == 0
 
     def should_save(self, step: int, end_of_epoch: bool, save_strategy: str) -> bool:
         """A periodic checkpoint after this step? (Not after the last one: the final output follows.)"""

@@ -68,8 +68,25 @@ def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved
         json.dump({**vars(args), **resolved}, file, indent=2, default=str)
 
 
+def train_record(step: int, steps_per_epoch: int, window: list[float], learning_rate: float, grad_norm: float,
+                 window_seconds: float, elapsed_s: float) -> dict:
+    """A training log record from the window since the last one: (summed loss, label tokens, tokens seen)."""
+    loss_sum, label_tokens, seen = window
+    return {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": loss_sum / label_tokens,
+            "learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_s": seen / window_seconds,
+            "elapsed_s": elapsed_s}
+
+
+def eval_record(step: int, steps_per_epoch: int, totals: list[float], num_examples: int, seconds: float) -> dict:
+    """An evaluation log record from (summed loss, label tokens) over the whole evaluation set."""
+    loss_sum, label_tokens = totals
+    return {"step": step, "epoch": round(step / steps_per_epoch, 4), "eval_loss": loss_sum / label_tokens,
+            "eval_label_tokens": int(label_tokens), "eval_examples": num_examples, "eval_s": seconds}
+
+
 class MetricsLog:
-    """One JSON object per logged step in `metrics.jsonl`, and in wandb with `--report_to wandb`."""
+    """One JSON object per logged step (training) or evaluation in `metrics.jsonl`, and in wandb with
+    `--report_to wandb` (as train/<key> and eval/<key>, like HF's Trainer)."""
 
     def __init__(self, directory: str | os.PathLike, args: argparse.Namespace, resume_step: int = 0,
                  wandb_run_id: str | None = None, **resolved):
@@ -80,17 +97,29 @@ class MetricsLog:
         self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         self.wandb_run = (start_wandb(args, {**vars(args), **resolved}, wandb_run_id)
                           if args.report_to == "wandb" else None)
+        self.postfix: dict[str, str] = {}
 
     @property
     def wandb_run_id(self) -> str | None:
         return self.wandb_run.id if self.wandb_run is not None else None
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, progress=None) -> None:
+        """Append the record; with a tqdm `progress` bar, show it there (evaluations also as a line)."""
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({f"train/{key}": value for key, value in record.items() if key != "step"},
-                               step=record["step"])
+            self.wandb_run.log({key.replace("eval_", "eval/", 1) if key.startswith("eval_") else f"train/{key}": value
+                                for key, value in record.items() if key != "step"}, step=record["step"])
+        if progress is None:
+            return
+        if "eval_loss" in record:
+            self.postfix["eval_loss"] = f"{record['eval_loss']:.4f}"
+            progress.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f} on "
+                           f"{record['eval_examples']} examples ({record['eval_s']:.1f}s)")
+        else:
+            self.postfix.update(loss=f"{record['loss']:.4f}", lr=f"{record['learning_rate']:.2e}",
+                                tok_s=f"{record['tokens_per_s']:.0f}")
+        progress.set_postfix(self.postfix)
 
     def close(self) -> None:
         if self.wandb_run is not None:
@@ -98,6 +127,16 @@ class MetricsLog:
 
     def records(self) -> list[dict]:
         return read_metrics(self.path.parent)
+
+    def loss_summary(self) -> str:
+        """'loss first -> last' of the logged training loss, and of the eval loss when there is one."""
+        records = self.records()
+        summary = []
+        for key, name in (("loss", "loss"), ("eval_loss", "eval loss")):
+            values = [record[key] for record in records if key in record]
+            if values:
+                summary.append(f"{name} {values[0]:.4f} -> {values[-1]:.4f}")
+        return ", ".join(summary)
 
 
 def _has_wandb_credentials() -> bool:
@@ -139,9 +178,12 @@ def plot_loss(directory: str | os.PathLike) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in read_metrics(directory) if "loss" in r]
+    records = read_metrics(directory)
     figure, axis = plt.subplots(figsize=(6, 3.5))
-    axis.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+    for key, label, style in (("loss", "train loss", "-"), ("eval_loss", "eval loss", "o-")):
+        points = [(record["step"], record[key]) for record in records if key in record]
+        if points:
+            axis.plot(*zip(*points), style, label=label)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("loss (per output token)")
     axis.grid(alpha=0.3)

@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--model_max_length", type=int, default=512)
     parser.add_argument("--nproc", type=int, default=0, help="also measure train_multigpu.py on 1 and N processes")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, profile 3 more of each variant and print its top operators")
     parser.add_argument("--peak_flops", type=float, default=None, help="the device's peak FLOP/s, for MFU")
     parser.add_argument("--variant", choices=["ours", "baseline"], help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -69,7 +71,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     model, tokenizer = load_base_model(resolve_model_path(args.model_name_or_path), resolve_dtype("auto", device),
                                        device)
     records = load_records(args.data_path)
-    dataset = prepare_dataset(records, args.data_path, tokenizer, args.model_max_length)
+    dataset = prepare_dataset(records, tokenizer, args.model_max_length)
     torch.manual_seed(0)
     reft_model = build_reft_model(model, args.layers, (1, 1), False, args.rank)
     parameters = [p for _, p in intervention_parameters(reft_model)]
@@ -77,13 +79,9 @@ def run_variant(args: argparse.Namespace) -> dict:
     collate = Collator(tokenizer.pad_token_id, (1, 1), False, len(reft_model.interventions) // 2)
     ours = args.variant == "ours"
     lengths = np.array(dataset["length"]) if ours else None
-    batches = global_batches(len(dataset), args.per_device_train_batch_size, 0, 0, lengths)[: args.steps]
-    tokens = padded = positions = 0
-    for step, indices in enumerate(batches):
-        if step == 1:  # the first step is warm-up (allocator, kernels)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
+    batches = global_batches(len(dataset), args.per_device_train_batch_size, 0, 0, lengths)
+
+    def train_step(indices: list[int]) -> dict:
         batch = collate([dataset[i] for i in indices])
         if not ours:
             batch["min_prompt_length"] = 1  # logits at every position, as the HF Trainer computes them
@@ -91,6 +89,15 @@ def run_variant(args: argparse.Namespace) -> dict:
         token_weighted_loss(loss, batch["num_label_tokens"]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return batch
+
+    tokens = padded = positions = 0
+    for step, indices in enumerate(batches[: args.steps]):
+        if step == 1:  # the first step is warm-up (allocator, kernels)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+        batch = train_step(indices)
         if step >= 1:
             tokens += int(batch["attention_mask"].sum())
             padded += batch["attention_mask"].numel()
@@ -98,6 +105,21 @@ def run_variant(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as profiler:
+            for indices in batches[args.steps : args.steps + 3]:
+                train_step(indices)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        averages = profiler.key_averages()
+        print(f"--- {args.variant}: 3 steps, top operators by self CPU time", file=sys.stderr)
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
+        if device.type == "cuda":
+            print(f"--- {args.variant}: top operators by self device time", file=sys.stderr)
+            print(averages.table(sort_by="self_device_time_total", row_limit=12), file=sys.stderr)
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     base_parameters = sum(p.numel() for p in model.parameters())
@@ -157,6 +179,8 @@ def main() -> None:
         if child.returncode:
             sys.exit(f"{variant} failed:\n{child.stderr[-3000:]}")
         results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
+        if args.profile:
+            print(child.stderr[child.stderr.find(f"--- {variant}"):])
     roof, roof_shape = matmul_flops()
     peak = args.peak_flops or next((flops for name, flops in GPU_PEAK_FLOPS.items()
                                     if name in results["ours"]["device"]), None)

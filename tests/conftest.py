@@ -58,10 +58,10 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def write_records(path: Path, count: int) -> Path:
-    """The first `count` records of the shipped sample, with and without input (odd counts make
+def write_records(path: Path, count: int, start: int = 0) -> Path:
+    """`count` records of the shipped sample from `start` on, with and without input (odd counts make
     partial last batches)."""
-    records = json.loads(SAMPLE_DATA.read_text())[:count]
+    records = json.loads(SAMPLE_DATA.read_text())[start : start + count]
     path.write_text(json.dumps(records, ensure_ascii=False))
     return path
 
@@ -71,11 +71,19 @@ def tiny_data(tmp_path_factory) -> Path:
     return write_records(tmp_path_factory.mktemp("data") / "alpaca.json", 21)
 
 
+@pytest.fixture(scope="session")
+def tiny_eval_data(tmp_path_factory) -> Path:
+    """5 held-out records: in batches of 2 that is 3 batches, so 2 ranks hold 2 and 1."""
+    return write_records(tmp_path_factory.mktemp("data") / "alpaca_eval.json", 5, start=21)
+
+
 def run_script(args: list[str], cwd: Path = REPO, env: dict | None = None, timeout: int = 300,
                launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run one of the project's scripts in a fresh interpreter (as a user would) and capture its output."""
     command = (launcher or [sys.executable]) + args
-    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
+    # On CPU even where a GPU is visible: the tests compare float32 results of 1 and 2 processes (gloo).
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+                **(env or {})}
     for name in ("WANDB_MODE", "WANDB_API_KEY"):  # tests never reach wandb's servers
         full_env.pop(name, None)
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -95,14 +103,19 @@ def intervention_weights(directory) -> dict[str, torch.Tensor]:
             for name, tensor in torch.load(path).items()}
 
 
+def eval_losses(directory) -> dict[int, float]:
+    return {record["step"]: record["eval_loss"] for record in read_metrics(directory) if "eval_loss" in record}
+
+
 def assert_same_model(actual_dir, expected_dir):
     actual, expected = intervention_weights(actual_dir), intervention_weights(expected_dir)
     assert actual.keys() == expected.keys() and actual
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
-    actual_losses = [r["loss"] for r in read_metrics(actual_dir)]
-    expected_losses = [r["loss"] for r in read_metrics(expected_dir)]
-    assert actual_losses == pytest.approx(expected_losses, rel=1e-5)
+    for key in ("loss", "eval_loss"):
+        actual = {r["step"]: r[key] for r in read_metrics(actual_dir) if key in r}
+        expected = {r["step"]: r[key] for r in read_metrics(expected_dir) if key in r}
+        assert actual == pytest.approx(expected, rel=1e-5), key
 
 
 # Dropout makes the RNG part of the state: an exact resume must restore it.
@@ -118,11 +131,13 @@ def flags(tiny_model, tiny_data, output_dir, *extra):
 
 
 @pytest.fixture(scope="session")
-def runs(tiny_model, tiny_data, tmp_path_factory):
+def runs(tiny_model, tiny_data, tiny_eval_data, tmp_path_factory):
     """21 examples, global batch 8: the last global batch of each epoch is partial (5 examples), and in it
-    rank 1's last micro-batch is empty."""
+    rank 1's last micro-batch is empty. Evaluated on 5 held-out examples at steps 4, 8 and 9 (the last)."""
     root = tmp_path_factory.mktemp("runs")
-    data = ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), *COMMON]
+    data = ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), *COMMON,
+            "--eval_data_path", str(tiny_eval_data), "--eval_strategy", "steps", "--eval_steps", "4",
+            "--per_device_eval_batch_size", "2"]
     single = run_script(["train.py", *data, "--output_dir", str(root / "single"),
                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
     assert single.returncode == 0, single.stderr[-3000:]

@@ -60,6 +60,12 @@ CASES = [
     ("output_dir not writable", ["--output_dir", "/proc/reft-alpaca-out"], "is not writable"),
     ("model path missing", ["--model_name_or_path", "./no/such/model"], "does not exist; pass a model directory"),
     ("unknown flag", ["--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat"),
+    ("eval without eval data", ["--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
+    ("eval split ratio out of range", ["--eval_split_ratio", "1.5"], "--eval_split_ratio must be in (0, 1)"),
+    ("eval split leaves nothing", ["--eval_split_ratio", "0.9"], "leaves one side empty"),
+    ("two eval sources", ["--eval_split_ratio", "0.2", "--eval_data_path", "{missing}"], "are exclusive"),
+    ("missing eval file", ["--eval_data_path", "{missing}"], "--eval_data_path '"),
+    ("malformed eval file", ["--eval_data_path", "{malformed json}"], "--eval_data_path '"),
     ("missing resume checkpoint", ["--resume_from_checkpoint", "{output_dir}/checkpoint-7"],
      "is not a complete checkpoint"),
 ]

@@ -15,6 +15,7 @@ from alpaca.data import (
     global_batches,
     intervention_locations,
     load_records,
+    load_splits,
     prompt_windows,
     rank_micro_batches,
     tokenize,
@@ -66,10 +67,10 @@ def test_truncation_keeps_the_prompt_and_drops_examples_without_output(tokenizer
 
 
 def test_max_n_train_example_is_a_seeded_subset(tiny_data):
-    first = load_records(str(tiny_data), max_n_train_example=5, seed=1)["instruction"]
-    assert first == load_records(str(tiny_data), max_n_train_example=5, seed=1)["instruction"]
-    assert first != load_records(str(tiny_data), max_n_train_example=5, seed=2)["instruction"]
-    assert len(first) == 5
+    def subset(seed):
+        return load_splits(str(tiny_data), max_n_train_example=5, seed=seed)[0]["instruction"]
+
+    assert subset(1) == subset(1) and subset(1) != subset(2) and len(subset(1)) == 5
 
 
 def test_positions_first_last_and_both():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAULTS, assert_same_model, flags, intervention_weights, run_script, torchrun
+from conftest import FAULTS, assert_same_model, eval_losses, flags, intervention_weights, run_script, torchrun
 
 from alpaca.model import enable_gradient_checkpointing, load_base_model
 
@@ -23,6 +23,14 @@ def fsdp_runs(runs):
 
 def test_fsdp_trains_the_same_model_as_ddp(fsdp_runs):
     assert_same_model(fsdp_runs / "fsdp", fsdp_runs / "ddp")
+
+
+def test_fsdp_reports_the_eval_loss_of_one_process(fsdp_runs):
+    """Rank 1 holds one eval batch fewer than rank 0 and still joins each of rank 0's sharded forwards."""
+    single, fsdp = eval_losses(fsdp_runs / "single"), eval_losses(fsdp_runs / "fsdp")
+    assert single.keys() == fsdp.keys() == {4, 8, 9}
+    for step in single:
+        assert abs(fsdp[step] - single[step]) <= 1e-5, step
 
 
 def test_fsdp_holds_about_half_the_base_per_rank_on_two_ranks(fsdp_runs):

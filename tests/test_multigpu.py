@@ -20,7 +20,7 @@ def free_port() -> int:
 
 def test_two_ranks_train_the_same_model_as_train_py(runs):
     root, _ = runs
-    assert len(read_metrics(root / "ddp")) == 9  # 3 epochs x 3 global batches
+    assert [r["step"] for r in read_metrics(root / "ddp") if "loss" in r] == list(range(1, 10))  # 3 epochs x 3
     assert_same_model(root / "ddp", root / "single")
 
 
@@ -110,11 +110,11 @@ def test_pyreft_command_line_on_four_processes(tiny_model, tiny_data, tmp_path):
     assert len(read_metrics(tmp_path)) == 2  # 21 examples in a global batch of 128: one step per epoch
 
 
-def test_wandb_offline_gives_one_run_for_all_ranks(tiny_model, tiny_data, tmp_path):
+def test_wandb_offline_gives_one_run_for_all_ranks(tiny_model, tiny_data, tiny_eval_data, tmp_path):
     def run(output_dir):
         return torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
                             str(tiny_data), *COMMON, "--max_steps", "2", "--report_to", "wandb", "--output_dir",
-                            str(output_dir)])
+                            str(output_dir), "--eval_data_path", str(tiny_eval_data)])
 
     output_dir = tmp_path / "first"
     result = run(output_dir)
@@ -128,7 +128,8 @@ def test_wandb_offline_gives_one_run_for_all_ranks(tiny_model, tiny_data, tmp_pa
     runs = list((output_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     assert "logged offline" in result.stdout and "wandb sync" in result.stdout
-    assert b"train/loss" in next(runs[0].glob("run-*.wandb")).read_bytes()
+    logged = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"train/loss" in logged and b"eval/loss" in logged
 
 
 def test_accelerate_launch_matches_torchrun(runs):

@@ -130,3 +130,18 @@ def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_p
                          *changed, "--resume_from_checkpoint", "auto"])
     assert result.returncode == 2
     assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr
+
+
+def test_a_resumed_run_continues_its_wandb_run(tiny_model, tiny_data, tmp_path):
+    """Offline, as in the tests: each start writes a run directory, both carry the id kept in the checkpoint,
+    so `wandb sync` appends the resumed part to the same run."""
+    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4", "--save_strategy", "no",
+                 "--report_to", "wandb")
+    stopped = run_script([FAULTS, "train.py", *args], env={"FAULT": "sigterm", "FAULT_STEP": "5"})
+    assert stopped.returncode != 0 and "stopped by SIGTERM after step 5" in stopped.stderr
+    run_id = torch.load(tmp_path / "checkpoint-5" / "trainer_state.pt", weights_only=False)["wandb_run_id"]
+    resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_dirs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2 and all(path.name.endswith(f"-{run_id}") for path in run_dirs), run_dirs
+    assert b"train/loss" in next(run_dirs[1].glob("run-*.wandb")).read_bytes()

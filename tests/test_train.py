@@ -102,7 +102,7 @@ def test_help_and_argument_errors_need_no_heavy_imports():
     (["--position", "f1+"], "--position 'f1+' is malformed"),
     (["--layers", "8;x"], "--layers '8;x' is malformed"),
     (["--rank", "0"], "--rank must be a positive integer"),
-    (["--evaluation_strategy", "steps"], "invalid choice: 'steps'"),
+    (["--evaluation_strategy", "sometimes"], "invalid choice: 'sometimes'"),
 ])
 def test_usage_errors_are_one_line(flags, message):
     result = run_script(["train.py", *flags])
