@@ -83,9 +83,7 @@ def run_variant(args: argparse.Namespace) -> dict:
 
     def train_step(indices: list[int]) -> dict:
         batch = collate([dataset[i] for i in indices])
-        if not ours:
-            batch["min_prompt_length"] = 1  # logits at every position, as the HF Trainer computes them
-        loss = summed_token_loss(reft_model, batch, device)
+        loss = (summed_token_loss if ours else baseline_summed_loss)(reft_model, batch, device)
         token_weighted_loss(loss, batch["num_label_tokens"]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -128,6 +126,22 @@ def run_variant(args: argparse.Namespace) -> dict:
     return {"variant": args.variant, "tokens": tokens, "padded_tokens": padded, "seconds": seconds,
             "peak_bytes": peak, "flops": flops, "device": torch.cuda.get_device_name(device)
             if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"}
+
+
+def baseline_summed_loss(reft_model, batch: dict, device):
+    """The loss as pyreft's ReftTrainer computes it under HF's Trainer (summed here, like ours): the LM head
+    runs at every position."""
+    import torch
+    import torch.nn.functional as F
+
+    _, outputs = reft_model(
+        {"input_ids": batch["input_ids"].to(device), "attention_mask": batch["attention_mask"].to(device),
+         "use_cache": False},
+        unit_locations={"sources->base": (None, batch["intervention_locations"])},
+    )
+    logits = outputs.logits[:, :-1].to(torch.float32)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1).to(device),
+                           ignore_index=-100, reduction="sum")
 
 
 def matmul_flops() -> tuple[float, str]:
