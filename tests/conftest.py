@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,12 @@ def tiny_data(tmp_path_factory) -> Path:
 def tiny_eval_data(tmp_path_factory) -> Path:
     """5 held-out records: in batches of 2 that is 3 batches, so 2 ranks hold 2 and 1."""
     return write_records(tmp_path_factory.mktemp("data") / "alpaca_eval.json", 5, start=21)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_script(args: list[str], cwd: Path = REPO, env: dict | None = None, timeout: int = 300,

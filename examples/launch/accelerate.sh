@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The same run through `accelerate launch` (it sets the variables torchrun sets; the script does the rest,
+# so accelerate's own mixed precision and dynamo stay off: use --bf16 / --dtype instead).
+#
+#   NPROC=8 examples/launch/accelerate.sh
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+NPROC=${NPROC:-$(gpu_count)}
+ACCUMULATION=$(accumulation "$NPROC")
+multi=()
+((NPROC > 1)) && multi=(--multi_gpu)
+accelerate launch "${multi[@]}" --num_processes "$NPROC" --num_machines 1 --mixed_precision no \
+  --dynamo_backend no train_multigpu.py "${TRAIN_FLAGS[@]}" --gradient_accumulation_steps "$ACCUMULATION" "$@"

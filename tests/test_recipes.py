@@ -1,0 +1,75 @@
+"""The launch recipes in examples/launch, run the way a user runs them (here on CPU, gloo): each trains the
+model that one process trains with the same global batch."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, assert_same_model, free_port, run_script
+
+RECIPES = REPO / "examples" / "launch"
+# python, torchrun and accelerate of the environment running the tests; the global batch of `runs`.
+RECIPE_ENV = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "GLOBAL_BATCH": "8",
+              "PER_DEVICE": "2"}
+
+
+def recipe(name: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return run_script([str(RECIPES / name), *args], launcher=["bash"], env={**RECIPE_ENV, **env})
+
+
+@pytest.mark.parametrize("name,env,accumulation", [
+    ("single_gpu.sh", {}, 4),
+    ("multi_gpu.sh", {"NPROC": "2"}, 2),
+    ("accelerate.sh", {"NPROC": "2"}, 2),
+])
+def test_recipe_trains_the_model_of_one_process(runs, name, env, accumulation):
+    root, data = runs
+    output_dir = root / f"recipe-{name}"
+    result = recipe(name, data, {"OUTPUT_DIR": str(output_dir), **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"x {accumulation} accumulation" in result.stdout
+    assert_same_model(output_dir, root / "single")
+
+
+def test_two_nodes_recipe_meets_through_c10d(runs):
+    """Two 'nodes' of one process each on this machine, started apart as on a cluster."""
+    root, data = runs
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", **RECIPE_ENV, "NPROC": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RUN_ID": "test",
+           "OUTPUT_DIR": str(root / "recipe-two-nodes")}
+    nodes = [subprocess.Popen(["bash", str(RECIPES / "two_nodes.sh"), *data], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert_same_model(root / "recipe-two-nodes", root / "single")
+
+
+def test_slurm_recipe_under_a_stand_in_srun(runs, tmp_path):
+    """`srun` replaced by a script that starts the job step's tasks (one per node) on this machine."""
+    root, data = runs
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        '#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\npids=()\n'
+        'for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & '
+        'pids+=($!); done\nstatus=0\nfor pid in "${pids[@]}"; do wait "$pid" || status=$?; done\nexit $status\n')
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{RECIPE_ENV['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_SUBMIT_DIR": str(REPO), "NPROC": "1",
+           "MASTER_PORT": str(free_port()), "OUTPUT_DIR": str(root / "recipe-slurm")}
+    result = run_script([str(RECIPES / "slurm.sbatch"), *data], launcher=["bash"], env={**RECIPE_ENV, **env},
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_model(root / "recipe-slurm", root / "single")
+
+
+def test_cpu_smoke_recipe(tiny_model, tiny_data, tmp_path):
+    result = recipe("cpu_smoke.sh", ["--layers", "1;3"], {"MODEL": str(tiny_model), "DATA": str(tiny_data),
+                                                          "OUTPUT_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_model(tmp_path / "two-processes", tmp_path / "one-process")
+    assert "one-process" in result.stdout and "two-processes" in result.stdout  # the answers, side by side
