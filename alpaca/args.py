@@ -145,6 +145,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--per_device_train_batch_size", type=int, default=8)
     flag("--per_device_eval_batch_size", type=int, default=8)
     flag("--gradient_accumulation_steps", type=int, default=1)
+    flag("--optim", default="adamw_torch", choices=["adamw_torch", "adamw_torch_fused"],
+         help="AdamW, with torch's fused kernel for adamw_torch_fused")
     flag("--learning_rate", type=float, default=4e-3)
     flag("--weight_decay", type=float, default=0.0,
          help="AdamW weight decay; never applied to LoReFT's rotation (it would zero it) nor to biases")
@@ -156,6 +158,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--warmup_ratio", type=float, default=0.0)
     flag("--warmup_steps", type=int, default=0, help="overrides --warmup_ratio when > 0")
     flag("--seed", type=int, default=42)
+    flag("--remove_unused_columns", type=str2bool, nargs="?", const=True, default=False,
+         help="accepted because pyreft's example defines it; the collator picks its own columns either way")
 
     group = parser.add_argument_group("logging and output")
     flag = group.add_argument

@@ -60,7 +60,8 @@ def build_optimizer(reft_model, args: argparse.Namespace, plan: StepPlan):
     from transformers import get_scheduler
 
     optimizer = torch.optim.AdamW(optimizer_param_groups(reft_model, args.weight_decay), lr=args.learning_rate,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                  fused=True if args.optim == "adamw_torch_fused" else None)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=plan.warmup_steps,
                               num_training_steps=plan.total_steps)
     return optimizer, scheduler

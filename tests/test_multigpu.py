@@ -82,7 +82,8 @@ def test_pyreft_command_line_on_four_processes(tiny_model, tiny_data, tmp_path):
         "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
         "--gradient_accumulation_steps", "8", "--evaluation_strategy", "no", "--save_strategy", "no",
         "--learning_rate", "2e-5", "--weight_decay", "0.", "--warmup_ratio", "0.03", "--lr_scheduler_type",
-        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--num_sample_answers", "0"])
+        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--optim", "adamw_torch",
+        "--remove_unused_columns", "False", "--num_sample_answers", "0"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(read_metrics(tmp_path)) == 2  # 21 examples in a global batch of 128: one step per epoch
 

@@ -73,14 +73,16 @@ def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
 
 
 def test_pyreft_example_command_line_runs(tiny_model, tiny_data, tmp_path):
-    """The command line of pyreft's examples/alpaca, verbatim but for the model and data paths."""
+    """The command line of pyreft's examples/alpaca, verbatim but for the model and data paths, plus the two
+    flags its own argument class adds to HF's."""
     result = run_script([
         "train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
         "--output_dir", str(tmp_path), "--layers", "1;3", "--rank", "4", "--position", "f1+l1",
         "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
         "--gradient_accumulation_steps", "8", "--evaluation_strategy", "no", "--save_strategy", "no",
         "--learning_rate", "2e-5", "--weight_decay", "0.", "--warmup_ratio", "0.03", "--lr_scheduler_type",
-        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--num_sample_answers", "1",
+        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--optim", "adamw_torch",
+        "--remove_unused_columns", "False", "--num_sample_answers", "1",
         "--max_new_tokens", "8"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(read_metrics(tmp_path)) == 2  # 21 examples, global batch 32: one step per epoch

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two nodes (NNODES to change), the same command on each; the nodes meet at MASTER_ADDR:MASTER_PORT (c10d
-# rendezvous, ranks assigned as they arrive). Rank 0 writes OUTPUT_DIR on its node; a resumed run reads its
-# checkpoint there and sends it to the others, so OUTPUT_DIR need not be on a shared filesystem.
+# rendezvous, ranks assigned as they arrive). Rank 0 writes OUTPUT_DIR, and after a restart rank 0 may be
+# on the other node: put OUTPUT_DIR on a filesystem both nodes see.
 #
 #   MASTER_ADDR=node0.cluster examples/launch/two_nodes.sh      # on node0 and on node1
 set -euo pipefail
