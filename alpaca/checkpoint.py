@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +172,10 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     scheduler.load_state_dict(saved["scheduler"])
     if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
         restore_rng_state(saved["rng"][rank], device)
-    window = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]  # the saved window is the sum over ranks
+    # The saved window is the sum over ranks. Its loss part carries on, so the logged loss is an uninterrupted
+    # run's; its token count does not, since tokens/s restarts with the clock.
+    loss_sum, label_tokens, _ = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]
+    window = [loss_sum, label_tokens, 0.0]
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
 
 
@@ -250,18 +254,24 @@ def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float]
 class StopSignal:
     """SIGTERM (preemption, torchrun forwarding) or SIGINT: finish the step, checkpoint, exit non-zero.
 
-    A second signal aborts at once.
+    A worker often gets the same request twice: from the terminal or the cluster, which signal the whole
+    process group or cgroup, and again from torchrun, which forwards what it got. So a repeated SIGTERM is
+    ignored, and only a second Ctrl-C (SIGINT) given after DUPLICATE_S seconds aborts at once.
     """
+
+    DUPLICATE_S = 2.0
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.received_at = 0.0
         for number in (signal.SIGTERM, signal.SIGINT):
             signal.signal(number, self._handle)
 
     def _handle(self, number: int, frame) -> None:
-        if self.received is not None:
+        if self.received is None:
+            self.received, self.received_at = number, time.monotonic()
+        elif number == signal.SIGINT and time.monotonic() - self.received_at > self.DUPLICATE_S:
             raise KeyboardInterrupt
-        self.received = number
 
     @property
     def name(self) -> str:

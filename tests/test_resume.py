@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,20 +71,39 @@ def test_sigterm_checkpoints_exits_non_zero_and_resumes(tiny_model, tiny_data, t
     assert_identical_runs(tmp_path, reference / "single")
 
 
-def test_sigterm_to_torchrun_checkpoints_every_rank_and_resumes(tiny_model, tiny_data, tmp_path, reference):
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return children
+
+
+@pytest.mark.parametrize("target,signal_number", [
+    ("torchrun", signal.SIGTERM),  # a launcher or scheduler that signals torchrun, which forwards it
+    # SLURM signals every process of the job step: each worker gets it directly and again from torchrun.
+    ("every process", signal.SIGTERM),
+    ("every process", signal.SIGINT),
+])
+def test_a_stop_signal_checkpoints_every_rank(tiny_model, tiny_data, tmp_path, target, signal_number):
     args = ["--nproc_per_node", "2", "train_multigpu.py",
             *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2", "--max_steps", "400",
                    "--save_strategy", "no")]
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
     deadline = time.monotonic() + 120
     while len(read_metrics(tmp_path)) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
-    launcher.send_signal(signal.SIGTERM)
+    for pid in [launcher.pid] + (child_pids(launcher.pid) if target == "every process" else []):
+        os.kill(pid, signal_number)
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode != 0
-    assert "stopped by SIGTERM" in stderr
+    assert f"stopped by {signal.Signals(signal_number).name}" in stderr, stderr[-3000:]
     [saved] = checkpoints(tmp_path)
     step = int(saved.name.split("-")[1])
     assert 3 <= step < 400 and [r["step"] for r in read_metrics(tmp_path)][-1] >= step

@@ -7,8 +7,8 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 NPROC=${NPROC:-$(gpu_count)}
-ACCUMULATION=$(accumulation "$NPROC")
+plan_batch "$NPROC"
 multi=()
-((NPROC > 1)) && multi=(--multi_gpu)
+if ((NPROC > 1)); then multi=(--multi_gpu); fi
 accelerate launch "${multi[@]}" --num_processes "$NPROC" --num_machines 1 --mixed_precision no \
-  --dynamo_backend no train_multigpu.py "${TRAIN_FLAGS[@]}" --gradient_accumulation_steps "$ACCUMULATION" "$@"
+  --dynamo_backend no "$REPO/train_multigpu.py" "${TRAIN_FLAGS[@]}" "${BATCH_FLAGS[@]}" "$@"

@@ -7,7 +7,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 NPROC=${NPROC:-$(gpu_count)}
-ACCUMULATION=$(accumulation "$NPROC")
+plan_batch "$NPROC"
 # --standalone: a local rendezvous on a free port, so several jobs can share a node.
 torchrun --standalone --nproc_per_node "$NPROC" \
-  train_multigpu.py "${TRAIN_FLAGS[@]}" --gradient_accumulation_steps "$ACCUMULATION" "$@"
+  "$REPO/train_multigpu.py" "${TRAIN_FLAGS[@]}" "${BATCH_FLAGS[@]}" "$@"

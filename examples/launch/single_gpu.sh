@@ -6,5 +6,5 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-ACCUMULATION=$(accumulation 1)
-python train.py "${TRAIN_FLAGS[@]}" --gradient_accumulation_steps "$ACCUMULATION" "$@"
+plan_batch 1
+python "$REPO/train.py" "${TRAIN_FLAGS[@]}" "${BATCH_FLAGS[@]}" "$@"
