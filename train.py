@@ -89,8 +89,8 @@ def train(args) -> None:
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
                                        args.cache_dir)
     dataset = prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir)
-    eval_dataset = prepare_dataset(eval_records, tokenizer, args.model_max_length, args.cache_dir) if (
-        eval_records is not None) else None
+    eval_dataset = (prepare_dataset(eval_records, tokenizer, args.model_max_length, args.cache_dir)
+                    if eval_records is not None else None)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only

@@ -93,10 +93,11 @@ def train(args) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():  # torchrun stops the other ranks; one of them says why
-            sys.exit(f"{PROG}: error: {torch.cuda.device_count()} GPU(s) visible on this node for more processes; "
-                     f"launch with --nproc_per_node {torch.cuda.device_count()}" if local_rank ==
-                     torch.cuda.device_count() else 2)
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:  # the first rank without a GPU says why; torchrun stops the others
+            processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
+            sys.exit(f"{PROG}: error: {processes} processes on this node but {gpus} GPU(s) visible; launch with "
+                     f"--nproc_per_node {gpus}" if local_rank == gpus else 2)
         device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -1,6 +1,7 @@
 """User mistakes: one line naming the problem and the fix, a non-zero exit, and an earlier output intact."""
 
 import json
+import sys
 
 import pytest
 from conftest import run_script, torchrun, write_records
@@ -108,6 +109,19 @@ def test_more_processes_than_examples(tiny_model, tmp_path, output_dir):
                           "--layers", "1;2", "--num_sample_answers", "0"])
     assert result.returncode != 0
     assert result.stderr.count("1 training examples for 2 processes: every process needs at least one") == 1
+    assert (output_dir / "notes.txt").read_text() == SENTINEL
+
+
+def test_more_processes_than_gpus(tiny_model, tmp_path, output_dir):
+    """2 processes on a node with 1 GPU (faked: CUDA reported with one device): one line says what to do."""
+    one_gpu = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+               "torch.cuda.device_count = lambda: 1; sys.argv = sys.argv[1:]; "
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = torchrun(2, [sys.executable, "-c", one_gpu, "train_multigpu.py", "--model_name_or_path",
+                          str(tiny_model), "--output_dir", str(output_dir)], extra=["--no-python"])
+    assert result.returncode != 0
+    message = "train_multigpu.py: error: 2 processes on this node but 1 GPU(s) visible; launch with --nproc_per_node 1"
+    assert result.stderr.count(message) == 1, result.stderr[-3000:]
     assert (output_dir / "notes.txt").read_text() == SENTINEL
 
 
