@@ -26,11 +26,54 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args) -> None:
-    import contextlib
+    """The process group's life: create it, run the training, then destroy it once nothing the training built
+    holds it any more."""
     import datetime
     import gc
-    import resource
     import socket
+    import sys
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    # -- process group: torchrun / accelerate set these; plain `python` is a world of one ----------------
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free_port = probe.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:  # the first rank without a GPU says why; torchrun stops the others
+            processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
+            sys.exit(f"{PROG}: error: {processes} processes on this node but {gpus} GPU(s) visible; launch with "
+                     f"--nproc_per_node {gpus}" if local_rank == gpus else 2)
+        device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        device = torch.device("cpu")
+    backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        run(args, device, backend, started)
+    finally:
+        # run()'s objects, DDP's reducer among them, held the group; those in reference cycles are freed here,
+        # while the interpreter is fully alive: gloo work destroyed during interpreter shutdown can abort a
+        # process that finished its run.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def run(args, device, backend: str, started: float) -> None:
+    """Everything between the process group's creation and its destruction."""
+    import contextlib
+    import resource
     import sys
     import time
 
@@ -82,239 +125,210 @@ def train(args) -> None:
     from alpaca.optim import StepPlan, build_optimizer, clip_gradients
     from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
 
-    started = time.perf_counter()
-    # -- process group: torchrun / accelerate set these; plain `python` is a world of one ----------------
-    if "RANK" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            free_port = probe.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        if local_rank >= gpus:  # the first rank without a GPU says why; torchrun stops the others
-            processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
-            sys.exit(f"{PROG}: error: {processes} processes on this node but {gpus} GPU(s) visible; launch with "
-                     f"--nproc_per_node {gpus}" if local_rank == gpus else 2)
-        device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
-    backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
-                            device_id=device if device.type == "cuda" else None)
     is_main = rank == 0
     if not is_main:  # other ranks print errors only
         quiet_non_main_rank()
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
-    try:
-        position = parse_position(args.position)
-        # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
-        resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
+    position = parse_position(args.position)
+    # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
+    resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
 
-        # -- data and model: checked before the weights load; caches are filled by each node's first
-        # process (model conversion, tokenization), then read by the others ------------------------------
-        records, eval_records = run_checked(
-            lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
-                                args.seed), participate=True, device=device)
-        model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
-        # Under --fsdp the base goes to the GPU only once sharded: each GPU then holds 1/world_size of it.
-        model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
-                                           torch.device("cpu") if args.fsdp else device, args.cache_dir)
-        dataset, eval_dataset = first_on_local_main(
-            lambda: [None if split is None else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir)
-                     for split in (records, eval_records)], local_rank, device)
-        if len(dataset) < world_size:
-            raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
-                             "at least one; use fewer processes or more data")
-        if args.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
-        reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                      args.intervention)
-        torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
-        num_layers = num_intervened_layers(reft_model, position, args.share_weights)
-        collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers)
-        parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+    # -- data and model: checked before the weights load; caches are filled by each node's first
+    # process (model conversion, tokenization), then read by the others ------------------------------
+    records, eval_records = run_checked(
+        lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
+                            args.seed), participate=True, device=device)
+    model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
+    # Under --fsdp the base goes to the GPU only once sharded: each GPU then holds 1/world_size of it.
+    model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
+                                       torch.device("cpu") if args.fsdp else device, args.cache_dir)
+    dataset, eval_dataset = first_on_local_main(
+        lambda: [None if split is None else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir)
+                 for split in (records, eval_records)], local_rank, device)
+    if len(dataset) < world_size:
+        raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
+                         "at least one; use fewer processes or more data")
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
+    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
+                                  args.intervention)
+    torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
+    num_layers = num_intervened_layers(reft_model, position, args.share_weights)
+    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers)
+    parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
 
-        # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
-        plan = StepPlan.from_args(args, len(dataset), world_size)
-        optimizer, scheduler = build_optimizer(reft_model, args, plan)
-        step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
-        # broadcast_object_list needs the resume decision on every rank, not only rank 0
-        resume = [resume_from]
-        dist.broadcast_object_list(resume, src=0)
-        if resume[0] is not None:
-            # Rank 0 reads the checkpoint and sends it: other nodes need not see rank 0's disk.
-            loaded = [run_checked(lambda: load_checkpoint(resume[0]), participate=is_main, device=device)]
-            dist.broadcast_object_list(loaded, src=0)
-            step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
-                loaded[0], args, reft_model, optimizer, scheduler, rank, world_size, len(dataset), device)
+    # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
+    plan = StepPlan.from_args(args, len(dataset), world_size)
+    optimizer, scheduler = build_optimizer(reft_model, args, plan)
+    step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
+    # broadcast_object_list needs the resume decision on every rank, not only rank 0
+    resume = [resume_from]
+    dist.broadcast_object_list(resume, src=0)
+    if resume[0] is not None:
+        # Rank 0 reads the checkpoint and sends it: other nodes need not see rank 0's disk.
+        loaded = [run_checked(lambda: load_checkpoint(resume[0]), participate=is_main, device=device)]
+        dist.broadcast_object_list(loaded, src=0)
+        step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
+            loaded[0], args, reft_model, optimizer, scheduler, rank, world_size, len(dataset), device)
 
-        # -- DDP, or FSDP for the base: only the interventions train, and they are replicated -----------
-        if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
-            offload = "offload" in args.fsdp.split()
-            shard_base_model(model, device, offload=offload)
-            if not offload:
-                model.to(device)  # moves this rank's shards only
-            reft_model.interventions.to(device)
-            # pyvene puts its index tensors on the model's device, which is the CPU for offloaded shards.
-            reft_model.get_device = lambda: device
-            broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
-            train_model = reft_model
-        else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
-            # fixed base) never change: no re-broadcast before each forward.
-            train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
-                                                  device_ids=[local_rank] if device.type == "cuda" else None)
-        check_replicated(parameters, device, ddp_model=None if args.fsdp else train_model)
-        base_bytes = local_parameter_bytes(model)
-        if is_main:
-            print(f"{describe(reft_model, len(dataset), device)}\n"
-                  f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
-                  f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
-                  f"steps ({plan.steps_per_epoch} per epoch) | {backend} | base model "
-                  f"{'sharded (FSDP)' if args.fsdp else 'replicated (DDP)'}: {base_bytes / 2**20:.1f} MiB of "
-                  f"parameters on rank 0"
-                  + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
-                  + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
-                  + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
-            resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
-                            total_steps=plan.total_steps, base_parameter_bytes_per_rank=base_bytes)
-            save_args(args, args.output_dir, **resolved)
-            metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
+    # -- DDP, or FSDP for the base: only the interventions train, and they are replicated -----------
+    if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
+        offload = "offload" in args.fsdp.split()
+        shard_base_model(model, device, offload=offload)
+        if not offload:
+            model.to(device)  # moves this rank's shards only
+        reft_model.interventions.to(device)
+        # pyvene puts its index tensors on the model's device, which is the CPU for offloaded shards.
+        reft_model.get_device = lambda: device
+        broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
+        train_model = reft_model
+    else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
+        # fixed base) never change: no re-broadcast before each forward.
+        train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
+                                              device_ids=[local_rank] if device.type == "cuda" else None)
+    check_replicated(parameters, device, ddp_model=None if args.fsdp else train_model)
+    base_bytes = local_parameter_bytes(model)
+    if is_main:
+        print(f"{describe(reft_model, len(dataset), device)}\n"
+              f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
+              f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
+              f"steps ({plan.steps_per_epoch} per epoch) | {backend} | base model "
+              f"{'sharded (FSDP)' if args.fsdp else 'replicated (DDP)'}: {base_bytes / 2**20:.1f} MiB of "
+              f"parameters on rank 0"
+              + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
+              + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
+              + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
+        resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
+                        total_steps=plan.total_steps, base_parameter_bytes_per_rank=base_bytes)
+        save_args(args, args.output_dir, **resolved)
+        metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
 
-        def checkpoint(epoch: int, next_batch: int):
-            """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
-            rng_states = [None] * world_size
-            dist.all_gather_object(rng_states, rng_state(device))
-            global_window = window.clone()  # the logging window so far, summed over ranks
-            dist.all_reduce(global_window)
-            return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
-                step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(), optimizer=optimizer,
-                scheduler=scheduler, rng_states=rng_states, args=args, world_size=world_size,
-                num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit),
-                participate=is_main, device=device)
+    def checkpoint(epoch: int, next_batch: int):
+        """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
+        rng_states = [None] * world_size
+        dist.all_gather_object(rng_states, rng_state(device))
+        global_window = window.clone()  # the logging window so far, summed over ranks
+        dist.all_reduce(global_window)
+        return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
+            step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(), optimizer=optimizer,
+            scheduler=scheduler, rng_states=rng_states, args=args, world_size=world_size,
+            num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit),
+            participate=is_main, device=device)
 
-        # -- train ------------------------------------------------------------------------------------
-        # A rank whose share of a (partial) global batch is empty still runs its last micro-step on
-        # this batch with zero weight: DDP's gradient all-reduce needs every rank.
-        placeholder = collate([dataset[0]])
-        progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
-                        disable=not is_main)
-        window = torch.tensor(window, dtype=torch.float64, device=device)  # loss sum, label tokens, tokens seen
-        rank_tokens = 0
-        dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
-        lengths = np.array(dataset["length"]) if args.group_by_length else None
-        # Each rank evaluates every world_size-th batch; under FSDP all ranks run as many forwards.
-        eval_plan = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
-                     if eval_dataset else [])
-        eval_forwards = -(-len(eval_plan) // world_size) if args.fsdp else None
-        eval_time = 0.0
-        train_start = window_start = time.perf_counter()
-        for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
-                len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
-            if step == plan.total_steps:
-                break
-            micro_batches = rank_micro_batches(global_batch, rank, world_size, args.per_device_train_batch_size,
-                                               args.gradient_accumulation_steps)
-            batches = [collate([dataset[i] for i in indices]) if indices else None for indices in micro_batches]
-            # One all-reduce gives the step's label tokens and whether any rank was asked to stop.
-            agreed = torch.tensor([sum(b["num_label_tokens"] for b in batches if b), stop.received is not None],
-                                  device=device)
-            dist.all_reduce(agreed)
-            step_label_tokens, stopping = agreed.tolist()
-            if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
-                path = checkpoint(epoch, next_batch=index)
-                if is_main:
-                    metrics.close()
-                    print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; "
-                          f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
-                sys.exit(stop.exit_code if stop.received else 1)
-            learning_rate = scheduler.get_last_lr()[0]
-            for micro_step, batch in enumerate(batches):
-                last = micro_step == len(batches) - 1
-                if batch is None and not last:
-                    continue
-                # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
-                with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():
-                    summed_loss = summed_token_loss(train_model, batch or placeholder, device)
-                    if batch is None:
-                        summed_loss = summed_loss * 0.0
-                    token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
-                if batch is not None:
-                    seen = int(batch["attention_mask"].sum())
-                    window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
-                                           dtype=torch.float64, device=device)
-                    rank_tokens += seen
-            if args.fsdp:
-                average_gradients(parameters, world_size)
-            grad_norm = clip_gradients(parameters, args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            progress.update()
-            if plan.should_log(step):
-                logged = window.clone()
-                dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
-                if is_main:
-                    now = time.perf_counter()
-                    metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate, grad_norm,
-                                               now - window_start, now - train_start), progress)
-                window.zero_()
-                window_start = time.perf_counter()
-            if plan.should_evaluate(step, end_of_epoch):
-                eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_plan[rank::world_size], collate, device,
-                                  eval_forwards)
-                dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
-                seconds = time.perf_counter() - eval_start
-                if is_main:
-                    metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset),
-                                              seconds), progress)
-                window_start += seconds  # tokens/s counts training time only
-                eval_time += seconds
-            if plan.should_save(step, end_of_epoch, args.save_strategy):
-                checkpoint(epoch, next_batch=index + 1)
-        progress.close()
-        train_time = time.perf_counter() - train_start - eval_time
+    # -- train ------------------------------------------------------------------------------------
+    # A rank whose share of a (partial) global batch is empty still runs its last micro-step on
+    # this batch with zero weight: DDP's gradient all-reduce needs every rank.
+    placeholder = collate([dataset[0]])
+    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
+                    disable=not is_main)
+    window = torch.tensor(window, dtype=torch.float64, device=device)  # loss sum, label tokens, tokens seen
+    rank_tokens = 0
+    dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
+    lengths = np.array(dataset["length"]) if args.group_by_length else None
+    # Each rank evaluates every world_size-th batch; under FSDP all ranks run as many forwards.
+    eval_plan = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
+                 if eval_dataset else [])
+    eval_forwards = -(-len(eval_plan) // world_size) if args.fsdp else None
+    eval_time = 0.0
+    train_start = window_start = time.perf_counter()
+    for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
+            len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
+        if step == plan.total_steps:
+            break
+        micro_batches = rank_micro_batches(global_batch, rank, world_size, args.per_device_train_batch_size,
+                                           args.gradient_accumulation_steps)
+        batches = [collate([dataset[i] for i in indices]) if indices else None for indices in micro_batches]
+        # One all-reduce gives the step's label tokens and whether any rank was asked to stop.
+        agreed = torch.tensor([sum(b["num_label_tokens"] for b in batches if b), stop.received is not None],
+                              device=device)
+        dist.all_reduce(agreed)
+        step_label_tokens, stopping = agreed.tolist()
+        if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
+            path = checkpoint(epoch, next_batch=index)
+            if is_main:
+                metrics.close()
+                print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; "
+                      f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
+            sys.exit(stop.exit_code if stop.received else 1)
+        learning_rate = scheduler.get_last_lr()[0]
+        for micro_step, batch in enumerate(batches):
+            last = micro_step == len(batches) - 1
+            if batch is None and not last:
+                continue
+            # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
+            with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():
+                summed_loss = summed_token_loss(train_model, batch or placeholder, device)
+                if batch is None:
+                    summed_loss = summed_loss * 0.0
+                token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
+            if batch is not None:
+                seen = int(batch["attention_mask"].sum())
+                window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
+                                       dtype=torch.float64, device=device)
+                rank_tokens += seen
+        if args.fsdp:
+            average_gradients(parameters, world_size)
+        grad_norm = clip_gradients(parameters, args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        progress.update()
+        if plan.should_log(step):
+            logged = window.clone()
+            dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
+            if is_main:
+                now = time.perf_counter()
+                metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate, grad_norm,
+                                           now - window_start, now - train_start), progress)
+            window.zero_()
+            window_start = time.perf_counter()
+        if plan.should_evaluate(step, end_of_epoch):
+            eval_start = time.perf_counter()
+            totals = evaluate(reft_model, eval_dataset, eval_plan[rank::world_size], collate, device,
+                              eval_forwards)
+            dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
+            seconds = time.perf_counter() - eval_start
+            if is_main:
+                metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset),
+                                          seconds), progress)
+            window_start += seconds  # tokens/s counts training time only
+            eval_time += seconds
+        if plan.should_save(step, end_of_epoch, args.save_strategy):
+            checkpoint(epoch, next_batch=index + 1)
+    progress.close()
+    train_time = time.perf_counter() - train_start - eval_time
 
-        # -- report: throughput and peak memory of every rank ---------------------------------------------
-        peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        per_rank = torch.tensor([rank_tokens / train_time, peak_memory, base_bytes], dtype=torch.float64,
-                                device=device)
-        gathered = [torch.zeros_like(per_rank) for _ in range(world_size)]
-        dist.all_gather(gathered, per_rank)
+    # -- report: throughput and peak memory of every rank ---------------------------------------------
+    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    per_rank = torch.tensor([rank_tokens / train_time, peak_memory, base_bytes], dtype=torch.float64,
+                            device=device)
+    gathered = [torch.zeros_like(per_rank) for _ in range(world_size)]
+    dist.all_gather(gathered, per_rank)
 
-        # -- output: rank 0 writes; if that fails, every rank exits with an error instead of hanging ---------
-        def write_outputs() -> None:
-            save_interventions(reft_model, args.output_dir)
-            metrics.close()
-            plot_loss(args.output_dir)
-            rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
-                              for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
-            print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: "
-                  f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); "
-                  f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
-                  f"{args.output_dir}/")
-            if answers:
-                print(answers)
-            print(f"Done in {time.perf_counter() - started:.0f}s.")
+    # -- output: rank 0 writes; if that fails, every rank exits with an error instead of hanging ---------
+    def write_outputs() -> None:
+        save_interventions(reft_model, args.output_dir)
+        metrics.close()
+        plot_loss(args.output_dir)
+        rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
+                          for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
+        print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: "
+              f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); "
+              f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
+              f"{args.output_dir}/")
+        if answers:
+            print(answers)
+        print(f"Done in {time.perf_counter() - started:.0f}s.")
 
-        # A sharded base answers only with every rank taking part; a replicated one on rank 0 alone.
-        answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
-                   if args.num_sample_answers > 0 and (is_main or args.fsdp) else None)
-        run_checked(write_outputs, participate=is_main, device=device)
-    finally:
-        # Free DDP (its reducer sits in reference cycles) while the interpreter is fully alive: gloo work
-        # objects destroyed during interpreter shutdown can abort a process that finished its run.
-        train_model = None  # noqa: F841
-        gc.collect()
-        dist.destroy_process_group()
+    # A sharded base answers only with every rank taking part; a replicated one on rank 0 alone.
+    answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
+               if args.num_sample_answers > 0 and (is_main or args.fsdp) else None)
+    run_checked(write_outputs, participate=is_main, device=device)
 
 
 def quiet_non_main_rank() -> None:
