@@ -29,13 +29,15 @@ class StepPlan:
         epoch_steps = steps_per_epoch(num_examples, global_batch_size)
         total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * epoch_steps)
         warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
-        # HF semantics: a logging_steps below 1 is a fraction of the run.
-        interval = math.ceil(args.logging_steps * total) if args.logging_steps < 1 else int(args.logging_steps)
-        save = math.ceil(args.save_steps * total) if args.save_steps < 1 else int(args.save_steps)
+
+        def interval(steps: float) -> int:
+            """HF semantics: a value below 1 is a fraction of the run."""
+            return max(1, math.ceil(steps * total) if steps < 1 else int(steps))
+
         eval_steps = args.eval_steps or args.logging_steps  # HF: eval_steps defaults to logging_steps
-        evaluate = math.ceil(eval_steps * total) if eval_steps < 1 else int(eval_steps)
-        return cls(global_batch_size, epoch_steps, total, warmup, max(1, interval),
-                   max(1, save) if args.save_strategy == "steps" else None, args.eval_strategy, max(1, evaluate))
+        return cls(global_batch_size, epoch_steps, total, warmup, interval(args.logging_steps),
+                   interval(args.save_steps) if args.save_strategy == "steps" else None, args.eval_strategy,
+                   interval(eval_steps))
 
     def should_log(self, step: int) -> bool:
         return step % self.logging_interval == 0 or step == self.total_steps
