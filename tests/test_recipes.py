@@ -19,21 +19,24 @@ def recipe(name: str, args: list[str], env: dict) -> subprocess.CompletedProcess
     return run_script([str(RECIPES / name), *args], launcher=["bash"], env={**RECIPE_ENV, **env})
 
 
+def plan_batch(processes: int) -> subprocess.CompletedProcess:
+    """common.sh's plan_batch for GLOBAL_BATCH=32 with at most 8 per GPU; prints BATCH_FLAGS."""
+    shell = f'source examples/launch/common.sh && plan_batch {processes} && echo "${{BATCH_FLAGS[*]}}"'
+    return subprocess.run(["bash", "-c", shell], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "GLOBAL_BATCH": "32", "PER_DEVICE": "8"})
+
+
 @pytest.mark.parametrize("processes,per_device,accumulation", [(1, 8, 4), (4, 8, 1), (8, 4, 1), (16, 2, 1)])
 def test_recipes_keep_the_global_batch_on_any_gpu_count(processes, per_device, accumulation):
-    """GLOBAL_BATCH=32 with at most 8 per GPU, from 1 GPU to 2 nodes of 8."""
-    shell = f'source examples/launch/common.sh && plan_batch {processes} && echo "${{BATCH_FLAGS[*]}}"'
-    result = subprocess.run(["bash", "-c", shell], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "GLOBAL_BATCH": "32", "PER_DEVICE": "8"})
+    """From 1 GPU to 2 nodes of 8."""
+    result = plan_batch(processes)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["--per_device_train_batch_size", str(per_device),
                                      "--gradient_accumulation_steps", str(accumulation)]
 
 
 def test_recipes_refuse_a_global_batch_they_cannot_keep():
-    shell = "source examples/launch/common.sh && plan_batch 64"
-    result = subprocess.run(["bash", "-c", shell], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "GLOBAL_BATCH": "32", "PER_DEVICE": "8"})
+    result = plan_batch(64)
     assert result.returncode == 2 and "GLOBAL_BATCH=32 cannot be split evenly over 64 processes" in result.stderr
 
 
