@@ -26,16 +26,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args) -> None:
-    """The process group's life: create it, run the training, then destroy it once nothing the training built
-    holds it any more."""
-    import datetime
-    import gc
+    """The process group's life: create it, run the training, destroy it."""
     import socket
     import sys
     import time
 
     import torch
-    import torch.distributed as dist
+
+    from alpaca.distributed import process_group
 
     started = time.perf_counter()
     # -- process group: torchrun / accelerate set these; plain `python` is a world of one ----------------
@@ -58,16 +56,8 @@ def train(args) -> None:
     else:
         device = torch.device("cpu")
     backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
-                            device_id=device if device.type == "cuda" else None)
-    try:
+    with process_group(backend, args.ddp_timeout, device):
         run(args, device, backend, started)
-    finally:
-        # run()'s objects, DDP's reducer among them, held the group; those in reference cycles are freed here,
-        # while the interpreter is fully alive: gloo work destroyed during interpreter shutdown can abort a
-        # process that finished its run.
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def run(args, device, backend: str, started: float) -> None:

@@ -3,6 +3,8 @@
     FAULT=kill|raise|sigterm FAULT_STEP=k [FAULT_RANK=r] python tests/faults.py train.py <flags>
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
+Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
+has returned are printed last to stderr: a group destroyed for good leaves none.
 """
 
 import os
@@ -14,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.optim  # noqa: E402
 
-mode, fault_step = os.environ["FAULT"], int(os.environ["FAULT_STEP"])
+mode, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0))
 on_this_rank = os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")
 clip_gradients = alpaca.optim.clip_gradients
 steps = 0
@@ -23,7 +25,7 @@ steps = 0
 def clip_gradients_with_fault(*args, **kwargs):
     global steps
     steps += 1
-    if steps == fault_step and on_this_rank:
+    if mode and steps == fault_step and on_this_rank:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif mode == "sigterm":
@@ -34,5 +36,16 @@ def clip_gradients_with_fault(*args, **kwargs):
 
 
 alpaca.optim.clip_gradients = clip_gradients_with_fault  # the scripts import it when they start training
+
+
+def process_group_threads() -> list[str]:
+    """Names of this process's native threads that gloo and the TCPStore run (Linux /proc)."""
+    names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    return sorted(name for name in names if name.startswith(("gloo", "pt_gloo", "pt_tcpstore")))
+
+
 script, sys.argv = sys.argv[1], sys.argv[1:]
-runpy.run_path(script, run_name="__main__")
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    print(f"process-group threads at exit: {process_group_threads()}", file=sys.stderr)

@@ -89,21 +89,11 @@ def test_pyreft_command_line_on_four_processes(tiny_model, tiny_data, tmp_path):
 
 
 def test_wandb_offline_gives_one_run_for_all_ranks(tiny_model, tiny_data, tiny_eval_data, tmp_path):
-    def run(output_dir):
-        return torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
-                            str(tiny_data), *COMMON, "--max_steps", "2", "--report_to", "wandb", "--output_dir",
-                            str(output_dir), "--eval_data_path", str(tiny_eval_data)])
-
-    output_dir = tmp_path / "first"
-    result = run(output_dir)
-    # KNOWN FLAKE, open: twice in ~20 runs (both the first wandb start in a fresh environment), rank 1 aborted
-    # at exit with "terminate called without an active exception" after a complete run. Not reproduced in
-    # isolation yet; retried once on exactly that signature so that it stays visible without blocking CI.
-    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
-        output_dir = tmp_path / "retry"
-        result = run(output_dir)
+    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
+                          *COMMON, "--max_steps", "2", "--report_to", "wandb", "--output_dir", str(tmp_path),
+                          "--eval_data_path", str(tiny_eval_data)])
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = list((output_dir / "wandb").glob("offline-run-*"))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     assert "logged offline" in result.stdout and "wandb sync" in result.stdout
     logged = next(runs[0].glob("run-*.wandb")).read_bytes()
