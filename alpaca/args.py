@@ -35,6 +35,15 @@ FSDP_WORDS = {"full_shard", "shard_grad_op", "hybrid_shard", "auto_wrap", "offlo
 class UsageError(ValueError):
     """A user mistake: reported as one line and a non-zero exit, never as a traceback."""
 
+    exit_code = 2
+
+
+class StorageError(UsageError):
+    """A write that failed for a reason outside the program (disk full, quota, permissions): reported the same
+    way, with exit status 1 (it is not a mistake on the command line)."""
+
+    exit_code = 1
+
 
 def str2bool(value: str) -> bool:
     """HF-style booleans: `--flag`, `--flag True`, `--flag false`, `--flag 1`."""
@@ -272,4 +281,4 @@ def exit_on_usage_error(prog: str, error: UsageError) -> None:
     """For mistakes found after parsing (e.g. a layer out of range once the model's depth is known)."""
     if is_main_process():
         print(f"{prog}: error: {error}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(error.exit_code)

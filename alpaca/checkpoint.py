@@ -1,18 +1,23 @@
-"""Checkpoints for exact resume, written atomically; the output directory's safety checks.
+"""Checkpoints for exact resume, written atomically and verified when read; the output directory's checks.
 
 A checkpoint `output_dir/checkpoint-<step>/` holds the interventions twice: in pyreft's format (to load
 or evaluate it like a final output) and as their full torch state (pyreft's format keeps the rotation's
 matrix, not the parametrization's raw parameter the optimizer state refers to). Next to them, the trainer
-state: optimizer, scheduler, position in the batch plan, every rank's RNG, the batch geometry and the
-wandb run id. It is written to a hidden staging directory, closed with a manifest of file sizes, and
-renamed into place: a checkpoint-<step> directory is complete, and a damaged one is detected.
+state: tensors (optimizer, scheduler, every rank's RNG) in `trainer_state.pt`, which loads with
+`torch.load(weights_only=True)` and so can never run code, and plain values (position in the batch plan,
+batch geometry, wandb run id) in `trainer_state.json`. It is written to a hidden staging directory, closed
+with a manifest of every file's size and SHA-256, and renamed into place: a checkpoint-<step> directory is
+complete, and a damaged one is detected before anything in it is used.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -24,25 +29,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from alpaca.args import UsageError
+from alpaca.args import StorageError, UsageError
 from alpaca.output import ARGS_FILE, save_interventions
 
 PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
+FORMAT = 2  # 1: sizes only in the manifest, the trainer state a full pickle (never loaded: it could run code)
 INTERVENTIONS_STATE = "interventions.pt"
-TRAINER_STATE = "trainer_state.pt"
+TRAINER_STATE = "trainer_state.pt"  # the tensors: optimizer, scheduler, RNG states
+TRAINER_STATE_JSON = "trainer_state.json"  # the plain values
+TENSOR_STATE_KEYS = ("optimizer", "scheduler", "rng")
 
 
-def rng_state(device: torch.device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """Every random generator training draws from, as tensors (a weights-only load accepts them)."""
+    _, python_state, python_gauss = random.getstate()
+    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state = {"python": torch.tensor(python_state, dtype=torch.int64),
+             "python_gauss": torch.tensor(torch.nan if python_gauss is None else python_gauss, dtype=torch.float64),
+             "numpy": torch.from_numpy(numpy_keys.astype(np.int64)),
+             "numpy_pos": torch.tensor([numpy_pos, numpy_has_gauss], dtype=torch.int64),
+             "numpy_gauss": torch.tensor(numpy_gauss, dtype=torch.float64),
+             "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def restore_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    python_gauss = state["python_gauss"].item()
+    random.setstate((3, tuple(state["python"].tolist()), None if np.isnan(python_gauss) else python_gauss))
+    numpy_pos, numpy_has_gauss = state["numpy_pos"].tolist()
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), numpy_pos, numpy_has_gauss,
+                         state["numpy_gauss"].item()))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -95,38 +114,97 @@ def step_of(path: Path) -> int:
 
 def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, trainer_state: dict,
                     save_total_limit: int | None = None) -> Path:
-    """Write checkpoint-<step> atomically, then delete the oldest beyond `save_total_limit`."""
+    """Write checkpoint-<step> atomically, then delete the oldest beyond `save_total_limit`.
+
+    A write that fails (disk full, quota, permissions) leaves no staging directory behind and raises a
+    StorageError naming the newest intact checkpoint."""
     output_dir = Path(output_dir)
     final = output_dir / f"{PREFIX}{step}"
     staging = output_dir / f".{PREFIX}{step}.staging-{os.getpid()}"
+    contents = {
+        INTERVENTIONS_STATE: tensor_bytes(intervention_states(reft_model)),
+        TRAINER_STATE: tensor_bytes({key: trainer_state[key] for key in TENSOR_STATE_KEYS}),
+        TRAINER_STATE_JSON: json.dumps({key: value for key, value in trainer_state.items()
+                                        if key not in TENSOR_STATE_KEYS}, indent=2).encode(),
+    }
     shutil.rmtree(staging, ignore_errors=True)
-    save_interventions(reft_model, staging)
-    torch.save(intervention_states(reft_model), staging / INTERVENTIONS_STATE)
-    torch.save(trainer_state, staging / TRAINER_STATE)
-    if (output_dir / ARGS_FILE).exists():
-        shutil.copy2(output_dir / ARGS_FILE, staging / ARGS_FILE)
-    files = {path.name: path.stat().st_size for path in staging.iterdir()}
-    (staging / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=2))
-    for path in staging.iterdir():  # on disk before the rename makes the checkpoint visible
-        with open(path, "rb") as file:
-            os.fsync(file.fileno())
-    if final.exists():  # the same step saved again after a resume
-        shutil.rmtree(final)
-    os.rename(staging, final)
+    try:
+        save_interventions(reft_model, staging)
+        if (output_dir / ARGS_FILE).exists():
+            contents[ARGS_FILE] = (output_dir / ARGS_FILE).read_bytes()
+        for name, data in contents.items():
+            write_file(staging / name, data)
+        files = {path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)} for path in staging.iterdir()}
+        manifest = {"format": FORMAT, "step": step, "files": files}
+        write_file(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
+        for path in staging.iterdir():  # on disk before the rename makes the checkpoint visible
+            with open(path, "rb") as file:
+                os.fsync(file.fileno())
+        if final.exists():  # the same step saved again after a resume
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    except (OSError, RuntimeError) as error:  # pyvene's torch.save reports a full disk as a RuntimeError
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+        newest = latest_checkpoint(output_dir)
+        raise StorageError(
+            f"writing {final} failed: {reason} ({shutil.disk_usage(output_dir).free / 2**20:.0f} MiB free there). "
+            + (f"The newest intact checkpoint is {newest}: " if newest else "No checkpoint was saved before: ")
+            + "make room (or fix the permissions), then rerun with --resume_from_checkpoint auto") from None
     rotate_checkpoints(output_dir, save_total_limit)
     return final
 
 
-def is_complete(path: Path) -> bool:
+def tensor_bytes(state: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Through a plain file write, so a full disk surfaces as OSError(ENOSPC), not as torch.save's
+    "unexpected pos" RuntimeError."""
+    with open(path, "wb") as file:
+        file.write(data)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with a checkpoint directory, or None if it is complete and intact."""
+    if not path.is_dir():
+        return "missing (no such directory)"
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        return all((path / name).stat().st_size == size for name, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError):
-        return False
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "incomplete (its writing was interrupted)"
+    if manifest.get("format") != FORMAT:
+        return ("written by an older version of these scripts, whose trainer state is a full pickle that could "
+                "run code when loaded; it is never loaded. Finish that run with the version that wrote it, or "
+                "start over with --overwrite_output_dir")
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != expected["bytes"]:
+            return f"incomplete ({name} is missing or cut short)"
+        if sha256(file) != expected["sha256"]:
+            return f"damaged ({name} does not match its SHA-256 in {MANIFEST})"
+    return None
+
+
+def is_complete(path: Path) -> bool:
+    """Complete and intact: every file of the manifest there, with its size and SHA-256."""
+    return checkpoint_problem(path) is None
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """checkpoint-<step> directories, oldest first (complete or not)."""
+    """checkpoint-<step> directories, oldest first (intact or not)."""
     directory = Path(output_dir)
     if not directory.is_dir():
         return []
@@ -134,31 +212,42 @@ def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None) -> None:
-    """Keep the newest `save_total_limit` complete checkpoints; the newest complete one always survives."""
+    """Keep the newest `save_total_limit` intact checkpoints; the newest intact one always survives."""
     if not save_total_limit or save_total_limit <= 0:
         return
-    complete = [path for path in checkpoints(output_dir) if is_complete(path)]
-    for path in complete[: -save_total_limit]:
+    intact = [path for path in checkpoints(output_dir) if is_complete(path)]
+    for path in intact[: -save_total_limit]:
         shutil.rmtree(path, ignore_errors=True)
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint; incomplete ones (a write was cut short) are skipped with a warning."""
+    """The newest intact checkpoint; incomplete or damaged ones are skipped with a warning. One written in the
+    old format is refused: resuming from an older checkpoint instead would silently drop the steps after it."""
     for path in reversed(checkpoints(output_dir)):
-        if is_complete(path):
+        problem = checkpoint_problem(path)
+        if problem is None:
             return path
-        print(f"warning: skipping {path}: incomplete (its writing was interrupted)", file=sys.stderr)
+        if problem.startswith("written by an older version"):
+            raise UsageError(f"{path} was {problem}")
+        print(f"warning: skipping {path}: {problem}", file=sys.stderr)
     return None
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
-    """(intervention states, trainer state), on the CPU."""
+    """(intervention states, trainer state), on the CPU, from a checkpoint verified against its manifest.
+    Only tensors and plain containers are unpickled (weights_only=True): a checkpoint never runs code."""
     path = Path(path)
-    if not is_complete(path):
-        raise UsageError(f"--resume_from_checkpoint {str(path)!r} is not a complete checkpoint; "
-                         "pass a checkpoint-<step> directory or 'auto'")
-    return (torch.load(path / INTERVENTIONS_STATE, map_location="cpu"),
-            torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False))
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise UsageError(f"--resume_from_checkpoint {str(path)!r} is {problem}; pass an intact checkpoint-<step> "
+                         "directory, or 'auto' for the newest intact one")
+    try:
+        states = torch.load(path / INTERVENTIONS_STATE, map_location="cpu", weights_only=True)
+        tensors = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UsageError(f"{path} holds pickled objects besides tensors, which could run code when loaded; it is "
+                         "not loaded. Resume from a checkpoint these scripts wrote") from None
+    return states, {**json.loads((path / TRAINER_STATE_JSON).read_text()), **tensors}
 
 
 def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, optimizer,
@@ -236,9 +325,10 @@ def prepare_output_dir(args: argparse.Namespace) -> Path | None:
 
 
 def remove_stale_staging(output_dir: str | os.PathLike) -> None:
-    """Staging directories left by a run killed while writing a checkpoint."""
-    for path in Path(output_dir).glob(f".{PREFIX}*.staging-*"):
-        shutil.rmtree(path, ignore_errors=True)
+    """Staging directories left by a run killed while writing a checkpoint or its final output."""
+    for pattern in (f".{PREFIX}*.staging-*", ".staging-*"):
+        for path in Path(output_dir).glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float], optimizer, scheduler,

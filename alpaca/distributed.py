@@ -16,7 +16,7 @@ import torch.distributed as dist
 from alpaca.args import UsageError
 
 T = TypeVar("T")
-OK, FAILED, USAGE_ERROR = 0, 1, 2
+OK, FAILED = 0, 1
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def run_checked(fn: Callable[[], T], participate: bool, device: torch.device) ->
             result = fn()
         except (Exception, SystemExit) as caught:  # noqa: BLE001 - re-raised below, after telling the others
             error = caught
-    status = OK if error is None else USAGE_ERROR if isinstance(error, UsageError) else FAILED
+    status = OK if error is None else error.exit_code if isinstance(error, UsageError) else FAILED
     agreed = agree(status, device)
     if error is not None:
         raise error

@@ -45,15 +45,37 @@ def save_interventions(reft_model, directory: str | os.PathLike) -> None:
 def load_reft_model(directory: str | os.PathLike, base_model):
     """`pyreft.ReftModel.load`, with the interventions on the base model's device and dtype.
 
+    Nothing in the directory runs code: the intervention classes named in config.json must be pyreft's or
+    pyvene's (pyvene imports whatever module the file names), and every `intkey_*.bin` is read with
+    `weights_only=True` here, before pyvene reads it again with torch's default.
     pyreft rebuilds LoReFT's learned source in bfloat16 whatever the model's dtype, so on a float32
     model its forward fails (and the weights lost precision): reload those weights in the model's
     dtype. On a bfloat16 model this changes nothing.
     """
+    import pickle
+
+    from alpaca.args import UsageError
     from alpaca.model import import_pyreft
 
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        states = {path.name: torch.load(path, map_location="cpu", weights_only=True)
+                  for path in directory.glob("intkey_*.bin")}
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{directory} holds no readable interventions ({error}); pass an output_dir written by "
+                         "train.py or one of its checkpoint-<step> directories") from None
+    except pickle.UnpicklingError:
+        raise UsageError(f"{directory} has intervention files holding pickled objects besides tensors, which "
+                         "could run code when loaded; they are not loaded") from None
+    foreign = [name for name in config.get("intervention_types", [])
+               if not name.replace("<class '", "").startswith(("pyreft.", "pyvene."))]
+    if foreign:
+        raise UsageError(f"{directory}/config.json names intervention classes outside pyreft and pyvene "
+                         f"({', '.join(foreign)}); they are not imported")
     reft_model = import_pyreft().ReftModel.load(str(directory), base_model)
     for key, intervention in reft_model.interventions.items():
-        state = torch.load(os.path.join(directory, f"intkey_{key}.bin"), map_location="cpu")
+        state = states[f"intkey_{key}.bin"]
         if hasattr(intervention, "learned_source"):
             intervention.learned_source.to(base_model.dtype)
             intervention.learned_source.load_state_dict(

@@ -1,12 +1,14 @@
 """Run train.py or train_multigpu.py with a fault injected at an optimizer step, for the fault tests.
 
-    FAULT=kill|raise|sigterm FAULT_STEP=k [FAULT_RANK=r] python tests/faults.py train.py <flags>
+    FAULT=kill|raise|sigterm|enospc FAULT_STEP=k [FAULT_RANK=r] python tests/faults.py train.py <flags>
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
+`enospc` instead fails the write of checkpoint-k half-way, as a full disk does.
 Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
 has returned are printed last to stderr: a group destroyed for good leaves none.
 """
 
+import errno
 import os
 import runpy
 import signal
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
+import alpaca.checkpoint  # noqa: E402
 import alpaca.optim  # noqa: E402
 
 mode, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0))
@@ -30,12 +33,32 @@ def clip_gradients_with_fault(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
         elif mode == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
-        else:
+        elif mode == "raise":
             raise RuntimeError(f"injected failure at step {steps}")
     return clip_gradients(*args, **kwargs)
 
 
-alpaca.optim.clip_gradients = clip_gradients_with_fault  # the scripts import it when they start training
+save_checkpoint, write_file = alpaca.checkpoint.save_checkpoint, alpaca.checkpoint.write_file
+saving_step = None
+
+
+def save_checkpoint_with_fault(output_dir, step, *args, **kwargs):
+    global saving_step
+    saving_step = step
+    return save_checkpoint(output_dir, step, *args, **kwargs)
+
+
+def write_file_with_fault(path, data: bytes) -> None:
+    if mode == "enospc" and saving_step == fault_step:
+        write_file(path, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    write_file(path, data)
+
+
+# The scripts import these when they start training.
+alpaca.optim.clip_gradients = clip_gradients_with_fault
+alpaca.checkpoint.save_checkpoint = save_checkpoint_with_fault
+alpaca.checkpoint.write_file = write_file_with_fault
 
 
 def process_group_threads() -> list[str]:

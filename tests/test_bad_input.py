@@ -68,7 +68,7 @@ CASES = [
     ("missing eval file", ["--eval_data_path", "{missing}"], "--eval_data_path '"),
     ("malformed eval file", ["--eval_data_path", "{malformed json}"], "--eval_data_path '"),
     ("missing resume checkpoint", ["--resume_from_checkpoint", "{output_dir}/checkpoint-7"],
-     "is not a complete checkpoint"),
+     "is missing (no such directory); pass an intact checkpoint-<step> directory"),
 ]
 
 

@@ -1,0 +1,164 @@
+"""Checkpoints are verified before use: no code runs from a file, damage is detected, a failed write is said
+plainly and loses nothing."""
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+from conftest import FAULTS, flags, run_script, torchrun
+from test_resume import assert_identical_runs
+
+from alpaca.args import UsageError
+from alpaca.checkpoint import MANIFEST, checkpoints, is_complete, latest_checkpoint, load_checkpoint, sha256
+
+
+class RunsCode:
+    """Pickles as a call to os.system, as a malicious checkpoint would."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def rewrite(checkpoint, name: str, data: bytes) -> None:
+    """Replace a file and update the manifest's size and SHA-256, as someone crafting a checkpoint would."""
+    (checkpoint / name).write_bytes(data)
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": sha256(checkpoint / name)}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+def malicious_pickle(marker, payload: dict) -> bytes:
+    path = marker.parent / "payload.pt"
+    torch.save({**payload, "extra": RunsCode(marker)}, path)
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="session")
+def killed_run(tiny_model, tiny_data, tmp_path_factory):
+    """train.py killed during step 8 (global batch 8, a checkpoint every 2 steps): checkpoints 2, 4 and 6."""
+    directory = tmp_path_factory.mktemp("killed")
+    killed = run_script([FAULTS, "train.py", *flags(tiny_model, tiny_data, directory, "--gradient_accumulation_steps",
+                                                    "4")], env={"FAULT": "kill", "FAULT_STEP": "8"})
+    assert killed.returncode == -signal.SIGKILL
+    assert [path.name for path in checkpoints(directory)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    return directory
+
+
+def test_a_pickled_callable_in_a_checkpoint_never_runs(tiny_model, tiny_data, tmp_path, killed_run):
+    shutil.copytree(killed_run, tmp_path / "run")
+    checkpoint, marker = tmp_path / "run" / "checkpoint-6", tmp_path / "marker"
+    tensors = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    rewrite(checkpoint, "trainer_state.pt", malicious_pickle(marker, tensors))
+    assert is_complete(checkpoint)  # the manifest was forged too: only the weights-only load stands in the way
+    result = run_script(["train.py", *flags(tiny_model, tiny_data, tmp_path / "run", "--gradient_accumulation_steps",
+                                            "4"), "--resume_from_checkpoint", str(checkpoint)])
+    assert result.returncode == 2
+    assert "could run code when loaded; it is not loaded" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+def test_the_intervention_states_are_loaded_weights_only_too(tmp_path, killed_run):
+    shutil.copytree(killed_run / "checkpoint-6", tmp_path / "checkpoint-6")
+    checkpoint, marker = tmp_path / "checkpoint-6", tmp_path / "marker"
+    states = torch.load(checkpoint / "interventions.pt", weights_only=True)
+    rewrite(checkpoint, "interventions.pt", malicious_pickle(marker, states))
+    with pytest.raises(UsageError, match="could run code"):
+        load_checkpoint(checkpoint)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_in_the_old_pickle_format_is_refused_unread(tmp_path, killed_run):
+    shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
+    newest = tmp_path / "checkpoint-6"
+    manifest = json.loads((newest / MANIFEST).read_text())
+    (newest / MANIFEST).write_text(json.dumps({"step": 6, "files": {name: entry["bytes"] for name, entry in
+                                                                    manifest["files"].items()}}))
+    for resume in (lambda: load_checkpoint(newest), lambda: latest_checkpoint(tmp_path)):
+        with pytest.raises(UsageError, match="older version of these scripts.*never loaded"):
+            resume()
+
+
+@pytest.mark.parametrize("damaged", ["interventions.pt", "trainer_state.pt", "intkey_*.bin"])
+def test_a_damaged_checkpoint_is_refused_and_auto_resume_falls_back(tiny_model, tiny_data, tmp_path, killed_run,
+                                                                     reference, damaged):
+    """One byte flipped in the middle of a file of the newest checkpoint (same size)."""
+    shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
+    newest = tmp_path / "checkpoint-6"
+    file = next(newest.glob(damaged))
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match=f"checkpoint-6' is damaged \\({file.name} does not match its SHA-256"):
+        load_checkpoint(newest)
+    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4")
+    resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping {newest}: damaged ({file.name}" in resumed.stderr
+    assert "at step 4" in resumed.stdout
+    assert_identical_runs(tmp_path, reference / "single")
+
+
+def test_a_checkpoint_cut_short_is_incomplete(tmp_path, killed_run):
+    shutil.copytree(killed_run / "checkpoint-6", tmp_path / "checkpoint-6")
+    state = tmp_path / "checkpoint-6" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(UsageError, match="is incomplete \\(trainer_state.pt is missing or cut short\\)"):
+        load_checkpoint(tmp_path / "checkpoint-6")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, tiny_data, tmp_path, reference,
+                                                                   processes):
+    """The write of checkpoint-4 (the second) fails half-way with ENOSPC on rank 0."""
+    accumulation = str(4 // processes)
+    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", accumulation)
+
+    def launch(command: list[str], faults: bool = False, env: dict | None = None):
+        script = [FAULTS] if faults else []
+        if processes == 1:
+            return run_script([*script, "train.py", *command], env=env)
+        return torchrun(2, [*script, "train_multigpu.py", *command], env=env)
+
+    failed = launch(args, faults=True, env={"FAULT": "enospc", "FAULT_STEP": "4"})
+    assert failed.returncode != 0
+    [message] = [line for line in failed.stderr.splitlines() if "error: writing" in line]  # rank 0's, once
+    assert f"writing {tmp_path / 'checkpoint-4'} failed: No space left on device" in message
+    assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-2'}" in message
+    assert "--resume_from_checkpoint auto" in message
+    assert "alpaca/" not in failed.stderr  # no traceback from the scripts (torchrun prints its own summary)
+    assert [path.name for path in tmp_path.iterdir() if "staging" in path.name] == []
+    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-2"] and is_complete(tmp_path / "checkpoint-2")
+    (tmp_path / ".checkpoint-3.staging-12345").mkdir()  # left by a run killed while writing
+    resumed = launch([*args, "--resume_from_checkpoint", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (tmp_path / ".checkpoint-3.staging-12345").exists()
+    assert_identical_runs(tmp_path, reference / ("single" if processes == 1 else "ddp"))
+
+
+def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_run):
+    """`load_reft_model` (and so examples/generate.py) on a pyreft-format directory someone crafted."""
+    from alpaca.model import load_base_model
+    from alpaca.output import load_reft_model
+
+    model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
+    shutil.copytree(killed_run / "checkpoint-6", tmp_path / "output")
+    output, marker = tmp_path / "output", tmp_path / "marker"
+    assert load_reft_model(output, model).interventions  # the untouched directory loads
+    config = json.loads((output / "config.json").read_text())
+    config["intervention_types"][0] = "<class 'subprocess.Popen'>"
+    (output / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="names intervention classes outside pyreft and pyvene"):
+        load_reft_model(output, model)
+    shutil.copy2(killed_run / "checkpoint-6" / "config.json", output / "config.json")
+    binary = next(output.glob("intkey_*.bin"))
+    binary.write_bytes(malicious_pickle(marker, torch.load(binary, weights_only=True)))
+    with pytest.raises(UsageError, match="could run code when loaded"):
+        load_reft_model(output, model)
+    assert not marker.exists()
