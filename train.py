@@ -84,7 +84,7 @@ def train(args) -> None:
 
     # -- data and model: what can be checked is checked before the model's weights are loaded ------------
     records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
-                                        args.max_n_train_example, args.seed)
+                                        args.max_n_train_example, args.seed, args.field_map)
     model_path = check_model(args)  # --layers and --rank against the model's config
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
                                        args.cache_dir)

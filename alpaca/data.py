@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -70,20 +71,25 @@ def check_records(records: list[dict], source: str) -> None:
             isinstance(record.get(key), str) for key in ("instruction", "output")
         ) and isinstance(record.get("input", ""), (str, type(None)))
         if not ok:
+            fields = f" (it has {', '.join(map(repr, record))})" if isinstance(record, dict) else ""
             raise UsageError(
-                f"record {index} of {source} lacks a string 'instruction' or 'output'; "
-                "every record needs both ('input' is optional)"
+                f"record {index} of {source} lacks a string 'instruction' or 'output'{fields}; every record needs "
+                "both ('input' is optional); for other field names pass e.g. --field_map "
+                "question=instruction,answer=output"
             )
     if not records:
         raise UsageError(f"{source} holds no records; pass an Alpaca file with at least one example")
 
 
-def load_records(data_path: str, flag: str = "--data_path"):
-    """Alpaca records from a local .json/.jsonl file or an HF hub dataset, as a `datasets.Dataset`."""
+def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None):
+    """Alpaca records from a local .json/.jsonl file or an HF hub dataset, as a `datasets.Dataset`.
+    `field_map` renames fields first (--field_map)."""
     import datasets
 
+    field_map = field_map or {}
     if os.path.isfile(data_path):
-        records = _read_local_records(data_path, flag)
+        records = [{field_map.get(key, key): value for key, value in record.items()} if isinstance(record, dict)
+                   else record for record in _read_local_records(data_path, flag)]
         check_records(records, f"{flag} {data_path!r}")
         dataset = datasets.Dataset.from_dict({
             "instruction": [r["instruction"] for r in records],
@@ -92,6 +98,7 @@ def load_records(data_path: str, flag: str = "--data_path"):
         })
     else:
         dataset = datasets.load_dataset(data_path, split="train")
+        dataset = dataset.rename_columns({k: v for k, v in field_map.items() if k in dataset.column_names})
         if "input" not in dataset.column_names:
             dataset = dataset.add_column("input", [""] * len(dataset))
         check_records(dataset.select(range(min(len(dataset), 1000))).to_list(), f"{flag} {data_path!r}")
@@ -99,10 +106,10 @@ def load_records(data_path: str, flag: str = "--data_path"):
 
 
 def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ratio: float | None = None,
-                max_n_train_example: int | None = None, seed: int = 42):
+                max_n_train_example: int | None = None, seed: int = 42, field_map: dict[str, str] | None = None):
     """(training records, evaluation records or None). A held-out split is taken first, so
     --max_n_train_example never takes evaluation examples; both selections are seeded."""
-    records = load_records(data_path)
+    records = load_records(data_path, field_map=field_map)
     eval_records = None
     if eval_split_ratio is not None:
         try:
@@ -112,7 +119,7 @@ def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ra
                              "empty; change the ratio or pass --eval_data_path") from None
         records, eval_records = split["train"], split["test"]
     elif eval_data_path:
-        eval_records = load_records(eval_data_path, "--eval_data_path")
+        eval_records = load_records(eval_data_path, "--eval_data_path", field_map)
     if max_n_train_example is not None and max_n_train_example < len(records):
         records = records.shuffle(seed=seed).select(range(max_n_train_example))
     return records, eval_records
@@ -147,18 +154,17 @@ def tokenize(dataset, tokenizer, model_max_length: int):
     return tokenized
 
 
-CACHE_FORMAT = 2  # bump when `tokenize` changes what it stores
-
-
 def _dataset_fingerprint(records, tokenizer, model_max_length: int) -> str:
     """Everything the tokenized dataset depends on: the records (datasets' own fingerprint, a hash of
     the content and of the seeded selections and splits made of it), the tokenizer's full
-    serialization, the templates and the truncation length."""
+    serialization, the templates, the code that builds prompts and labels (edit it in a copy and the
+    cache is not reused) and the truncation length."""
     digest = hashlib.sha256(records._fingerprint.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
-    digest.update(json.dumps([CACHE_FORMAT, PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id,
-                              model_max_length, type(tokenizer).__name__]).encode())
+    code = [inspect.getsource(function) for function in (format_prompt, tokenize)]
+    digest.update(json.dumps([*code, PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id, model_max_length,
+                              type(tokenizer).__name__]).encode())
     return digest.hexdigest()[:24]
 
 

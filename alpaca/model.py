@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from alpaca.args import EMBEDDED_MODEL, UsageError, cache_root, parse_layers
+from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, UsageError, cache_root, parse_layers
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -125,17 +125,13 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     first_n, last_n = position
     if first_n and last_n and not share_weights:
         layer_ids = layer_ids + layer_ids  # first half: first-window interventions, second half: last-window
-    intervention_class = {"loreft": pyreft.LoreftIntervention, "noreft": pyreft.NoreftIntervention}[intervention]
-    extra = {"add_bias": True} if intervention == "noreft" else {}
+    intervention_class = getattr(pyreft, INTERVENTIONS[intervention])
     representations = [
         {
             "layer": layer,
             "component": "block_output",
             "low_rank_dimension": rank,
-            # pyreft's forward needs the learned source in the model's dtype (it defaults to bf16).
-            "intervention": intervention_class(
-                embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=model.dtype, **extra
-            ),
+            "intervention": new_intervention(intervention_class, hidden_size, rank, model.dtype, dropout),
         }
         for layer in layer_ids
     ]
@@ -143,6 +139,14 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     keep_foreign_hooks(reft_model)
     set_train_mode(reft_model, True)
     return reft_model
+
+
+def new_intervention(intervention_class, hidden_size: int, rank: int, dtype: torch.dtype, dropout: float = 0.0,
+                     add_bias: bool = True):
+    """One pyreft intervention. Its learned source is built in the model's dtype (pyreft's forward needs it,
+    and defaults to bf16); `add_bias` is the NoReFT family's projection bias, ignored by the others."""
+    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=dtype,
+                              add_bias=add_bias)
 
 
 def describe(reft_model, num_examples: int, device) -> str:
@@ -213,13 +217,14 @@ def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
-    """AdamW groups. LoReFT's rotation is torch's orthogonal parametrization (Householder map), whose
-    underlying parameter keeps +-1 signs on its diagonal, read with `.int()`: one step of decoupled
-    weight decay turns 1.0 into 0.99..., which truncates to 0 and zeroes the rotation (the loss goes
-    flat). So the rotation never gets weight decay; nor do biases, as usual."""
+    """AdamW groups. The rotation of LoReFT, DiReFT, LobiReFT and ConsReFT is torch's orthogonal
+    parametrization (Householder map), whose underlying parameter keeps +-1 signs on its diagonal, read
+    with `.int()`: one step of decoupled weight decay turns 1.0 into 0.99..., which truncates to 0 and
+    zeroes the rotation (the loss goes flat). So no parametrized parameter gets weight decay; nor do
+    biases, as usual."""
     decay, no_decay = [], []
     for name, parameter in intervention_parameters(reft_model):
-        (no_decay if "rotate_layer" in name or name.endswith("bias") else decay).append(parameter)
+        (no_decay if ".parametrizations." in name or name.endswith("bias") else decay).append(parameter)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -43,45 +43,52 @@ def save_interventions(reft_model, directory: str | os.PathLike) -> None:
 
 
 def load_reft_model(directory: str | os.PathLike, base_model):
-    """`pyreft.ReftModel.load`, with the interventions on the base model's device and dtype.
+    """The ReFT model saved in `directory` (pyreft's format), on the base model's device and in its dtype.
 
-    Nothing in the directory runs code: the intervention classes named in config.json must be pyreft's or
-    pyvene's (pyvene imports whatever module the file names), and every `intkey_*.bin` is read with
-    `weights_only=True` here, before pyvene reads it again with torch's default.
-    pyreft rebuilds LoReFT's learned source in bfloat16 whatever the model's dtype, so on a float32
-    model its forward fails (and the weights lost precision): reload those weights in the model's
-    dtype. On a bfloat16 model this changes nothing.
+    It reads pyreft's files itself rather than through `pyreft.ReftModel.load`, which fails on NoReFT and
+    NodiReFT (their `add_bias` is not saved), rebuilds learned sources in bfloat16 whatever the model's
+    dtype, and imports whatever module config.json names. Here each intervention is rebuilt from its
+    class (one of pyreft's, INTERVENTIONS), in the model's dtype, and takes its saved state through its own
+    `load_state_dict`, whatever its layout. Nothing runs code: `intkey_*.bin` are read weights-only.
     """
     import pickle
 
-    from alpaca.args import UsageError
-    from alpaca.model import import_pyreft
+    from alpaca.args import INTERVENTIONS, UsageError
+    from alpaca.model import import_pyreft, keep_foreign_hooks, new_intervention, set_train_mode
 
     directory = Path(directory)
     try:
         config = json.loads((directory / "config.json").read_text())
         states = {path.name: torch.load(path, map_location="cpu", weights_only=True)
                   for path in directory.glob("intkey_*.bin")}
-    except (OSError, ValueError) as error:
+        layout = list(zip(config["intervention_types"], config["representations"], config["intervention_dimensions"],
+                          config["sorted_keys"], strict=True))
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise UsageError(f"{directory} holds no readable interventions ({error}); pass an output_dir written by "
                          "train.py or one of its checkpoint-<step> directories") from None
     except pickle.UnpicklingError:
         raise UsageError(f"{directory} has intervention files holding pickled objects besides tensors, which "
                          "could run code when loaded; they are not loaded") from None
-    foreign = [name for name in config.get("intervention_types", [])
-               if not name.replace("<class '", "").startswith(("pyreft.", "pyvene."))]
+    known = {f"<class 'pyreft.interventions.{name}'>": name for name in INTERVENTIONS.values()}
+    foreign = sorted({type_name for type_name, *_ in layout if type_name not in known})
     if foreign:
-        raise UsageError(f"{directory}/config.json names intervention classes outside pyreft and pyvene "
+        raise UsageError(f"{directory}/config.json names intervention classes outside pyreft's "
                          f"({', '.join(foreign)}); they are not imported")
-    reft_model = import_pyreft().ReftModel.load(str(directory), base_model)
+    pyreft = import_pyreft()
+    representations = [
+        {"layer": layer, "component": component, "low_rank_dimension": rank,
+         "intervention": new_intervention(getattr(pyreft, known[type_name]), dimension, rank, base_model.dtype,
+                                          add_bias="proj_layer.bias" in states.get(f"intkey_{key}.bin", {}))}
+        for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
+    ]
+    reft_model = pyreft.get_reft_model(base_model, pyreft.ReftConfig(representations=representations))
+    keep_foreign_hooks(reft_model)
     for key, intervention in reft_model.interventions.items():
-        state = states[f"intkey_{key}.bin"]
-        if hasattr(intervention, "learned_source"):
-            intervention.learned_source.to(base_model.dtype)
-            intervention.learned_source.load_state_dict(
-                {name: state[name] for name in ("weight", "bias") if name in state}
-            )
+        if f"intkey_{key}.bin" not in states:
+            raise UsageError(f"{directory} lacks intkey_{key}.bin; pass a complete output_dir")
+        intervention.load_state_dict(states[f"intkey_{key}.bin"])
     reft_model.set_device(base_model.device, set_model=False)
+    set_train_mode(reft_model, False)
     return reft_model
 
 

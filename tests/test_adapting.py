@@ -1,0 +1,74 @@
+"""What a researcher changes in a copy: other field names, another prompt. Edits never meet stale caches."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, SAMPLE_DATA
+
+from alpaca.args import UsageError, parse_args
+from alpaca.data import load_records
+
+
+@pytest.fixture
+def question_answer_data(tmp_path):
+    records = json.loads(SAMPLE_DATA.read_text())[:4]
+    path = tmp_path / "qa.json"
+    path.write_text(json.dumps([{"question": r["instruction"], "answer": r["output"]} for r in records]))
+    return path, records
+
+
+def test_other_field_names_are_refused_with_the_flag_that_maps_them(question_answer_data):
+    path, _ = question_answer_data
+    with pytest.raises(UsageError, match=r"lacks a string 'instruction' or 'output' \(it has 'question', 'answer'\);"
+                                         r".* pass e.g. --field_map question=instruction,answer=output"):
+        load_records(str(path))
+
+
+def test_field_map_renames_them(question_answer_data):
+    path, records = question_answer_data
+    args = parse_args("train.py", ["--data_path", str(path), "--field_map", "question=instruction,answer=output"])
+    dataset = load_records(str(path), field_map=args.field_map)
+    assert dataset["instruction"] == [r["instruction"] for r in records]
+    assert dataset["output"] == [r["output"] for r in records] and dataset["input"] == [""] * 4
+
+
+def test_a_malformed_field_map_is_one_line(question_answer_data, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args("train.py", ["--field_map", "question=prompt"])
+    assert exit_info.value.code == 2
+    assert "TARGET one of instruction, input, output" in capsys.readouterr().err
+
+
+TOKENIZE = """
+import sys
+from alpaca.data import load_records, prepare_dataset
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+print(prepare_dataset(load_records(sys.argv[2]), tokenizer, 512)[0]["prompt_length"])
+"""
+
+
+def test_editing_the_prompt_in_a_copy_never_reuses_the_cached_tokenization(tiny_model, tmp_path):
+    """The tokenization cache is keyed by the code that builds prompts and labels, not only the templates."""
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "alpaca", copy / "alpaca", ignore=shutil.ignore_patterns("__pycache__"))
+    environment = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PATH": ""}
+
+    def prompt_length(root):
+        result = subprocess.run([sys.executable, "-c", TOKENIZE, str(tiny_model), str(SAMPLE_DATA)], cwd=root,
+                                env=environment, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return int(result.stdout.split()[-1])
+
+    original = prompt_length(copy)
+    data = copy / "alpaca" / "data.py"
+    source = data.read_text()
+    edited = source.replace("def format_prompt(instruction: str, input: str | None = \"\") -> str:\n",
+                            "def format_prompt(instruction: str, input: str | None = \"\") -> str:\n"
+                            "    return f\"Q: {instruction}\\nA: \"\n")
+    assert edited != source
+    data.write_text(edited)
+    assert prompt_length(copy) < original  # tokenized afresh with the short template, not read from the cache
