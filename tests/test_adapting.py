@@ -1,12 +1,14 @@
 """What a researcher changes in a copy: other field names, another prompt. Edits never meet stale caches."""
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SAMPLE_DATA
+from conftest import REPO, SAMPLE_DATA, run_script
 
 from alpaca.args import UsageError, parse_args
 from alpaca.data import load_records
@@ -72,3 +74,36 @@ def test_editing_the_prompt_in_a_copy_never_reuses_the_cached_tokenization(tiny_
     assert edited != source
     data.write_text(edited)
     assert prompt_length(copy) < original  # tokenized afresh with the short template, not read from the cache
+
+
+def guide_sections() -> list[tuple[str, str, list[str]]]:
+    """(title, diff, [command, ...]) of each adaptation in docs/adapting.md."""
+    text = (REPO / "docs" / "adapting.md").read_text()
+    sections = []
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        diff = re.search(r"```diff\n(.*?)```", section, re.S)
+        commands = re.search(r"```bash\n(.*?)```", section, re.S)
+        sections.append((section.splitlines()[0], diff[1], commands[1].strip().splitlines()))
+    return sections
+
+
+@pytest.mark.parametrize("title,diff,commands", guide_sections(), ids=[s[0] for s in guide_sections()])
+def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, tiny_model, question_answer_data,
+                                                         tmp_path):
+    """The documented diff applies to a fresh copy of the repository, and its commands run there (two steps on
+    the tiny model)."""
+    copy = tmp_path / "copy"
+    ignored = shutil.ignore_patterns(".git", ".venv", "__pycache__", "output", "out_*", "wandb")
+    shutil.copytree(REPO, copy, ignore=ignored)
+    applied = subprocess.run(["git", "apply", "-C1", "-"], input=diff, cwd=copy, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    data, _ = question_answer_data
+    for command in commands:
+        words = shlex.split(command)
+        assert words[0] == "python", command
+        extra = ["--max_new_tokens", "4", "--instruction", "Name three primary colors."] if "generate.py" in command \
+            else ["--model_name_or_path", str(tiny_model), "--layers", "1;2", "--max_steps", "2",
+                  "--num_sample_answers", "0", "--field_map", "question=instruction,answer=output",
+                  "--data_path", str(data)]
+        result = run_script([*words[1:], *extra], cwd=copy)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"

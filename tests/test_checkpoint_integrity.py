@@ -154,7 +154,7 @@ def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_r
     config = json.loads((output / "config.json").read_text())
     config["intervention_types"][0] = "<class 'subprocess.Popen'>"
     (output / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UsageError, match="names intervention classes outside pyreft"):
+    with pytest.raises(UsageError, match="names intervention classes that are not in INTERVENTIONS"):
         load_reft_model(output, model)
     shutil.copy2(killed_run / "checkpoint-6" / "config.json", output / "config.json")
     binary = next(output.glob("intkey_*.bin"))

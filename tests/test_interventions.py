@@ -30,7 +30,7 @@ def test_every_block_output_intervention_of_pyreft_is_offered():
     shipped = {name for name, cls in inspect.getmembers(pyreft.interventions, inspect.isclass)
                if cls.__module__ == "pyreft.interventions" and issubclass(cls, TrainableIntervention)
                and issubclass(cls, SourcelessIntervention)}
-    assert shipped == set(INTERVENTIONS.values())
+    assert {f"pyreft.interventions.{name}" for name in shipped} == set(INTERVENTIONS.values())
 
 
 @pytest.mark.parametrize("intervention", list(INTERVENTIONS))
@@ -67,7 +67,8 @@ def test_each_intervention_trains_and_reloads_with_the_same_outputs(tiny_model, 
     save_interventions(reft_model, tmp_path)
     fresh, _ = load_base_model(str(tiny_model), torch.float32, CPU)
     reloaded = load_reft_model(tmp_path, fresh)
-    assert type(next(iter(reloaded.interventions.values()))).__name__ == INTERVENTIONS[intervention]
+    loaded_class = type(next(iter(reloaded.interventions.values())))
+    assert f"{loaded_class.__module__}.{loaded_class.__name__}" == INTERVENTIONS[intervention]
     with torch.no_grad():
         torch.testing.assert_close(summed_token_loss(reloaded, batch, CPU), expected, rtol=1e-6, atol=0)
 
