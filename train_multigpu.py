@@ -236,7 +236,7 @@ def run(args, device, backend: str, started: float) -> None:
                               device=device)
         dist.all_reduce(agreed)
         step_label_tokens, stopping = agreed.tolist()
-        if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
+        if stopping:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
             path = checkpoint(epoch, next_batch=index)
             if is_main:
                 metrics.close()
