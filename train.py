@@ -137,11 +137,12 @@ def train(args) -> None:
             len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
         if step == plan.total_steps:
             break
-        if stop.received:  # preempted: checkpoint the last finished step, then exit non-zero
+        if stop.received:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
             path = checkpoint(epoch, next_batch=index)
             metrics.close()
-            sys.exit(f"{PROG}: stopped by {stop.name} after step {step}; checkpoint in {path}. "
-                     f"Resume with --resume_from_checkpoint auto")
+            print(f"{PROG}: stopped by {stop.name} after step {step}; checkpoint in {path}. "
+                  f"Resume with --resume_from_checkpoint auto", file=sys.stderr)
+            sys.exit(stop.exit_code)
         micro_batches = rank_micro_batches(global_batch, 0, 1, args.per_device_train_batch_size,
                                            args.gradient_accumulation_steps)
         batches = [collate([dataset[i] for i in indices]) for indices in micro_batches if indices]

@@ -236,7 +236,7 @@ def run(args, device, backend: str, started: float) -> None:
                               device=device)
         dist.all_reduce(agreed)
         step_label_tokens, stopping = agreed.tolist()
-        if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
+        if stopping:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
             path = checkpoint(epoch, next_batch=index)
             if is_main:
                 metrics.close()
@@ -246,7 +246,9 @@ def run(args, device, backend: str, started: float) -> None:
         learning_rate = scheduler.get_last_lr()[0]
         for micro_step, batch in enumerate(batches):
             last = micro_step == len(batches) - 1
-            if batch is None and not last:
+            # An empty micro-batch is skipped, except the last (DDP's all-reduce) and under FSDP, whose every
+            # forward all-gathers the base's shards: ranks must run as many forwards, or they hang.
+            if batch is None and not last and not args.fsdp:
                 continue
             # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
             with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():

@@ -1,9 +1,10 @@
 """Run train.py or train_multigpu.py with a fault injected at an optimizer step, for the fault tests.
 
-    FAULT=kill|raise|sigterm|enospc FAULT_STEP=k [FAULT_RANK=r] python tests/faults.py train.py <flags>
+    FAULT=kill|raise|sigterm|sigint|write|enospc FAULT_STEP=k [FAULT_RANK=r] python tests/faults.py train.py <flags>
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
-`enospc` instead fails the write of checkpoint-k half-way, as a full disk does.
+`write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
+fail, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving a partial file.
 Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
 has returned are printed last to stderr: a group destroyed for good leaves none.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
 import alpaca.optim  # noqa: E402
+import alpaca.output  # noqa: E402
 
 mode, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0))
 on_this_rank = os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")
@@ -31,15 +33,22 @@ def clip_gradients_with_fault(*args, **kwargs):
     if mode and steps == fault_step and on_this_rank:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif mode == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)
+        elif mode in ("sigterm", "sigint"):
+            os.kill(os.getpid(), signal.Signals[mode.upper()])
         elif mode == "raise":
             raise RuntimeError(f"injected failure at step {steps}")
     return clip_gradients(*args, **kwargs)
 
 
+save_interventions = alpaca.output.save_interventions
 save_checkpoint, write_file = alpaca.checkpoint.save_checkpoint, alpaca.checkpoint.write_file
 saving_step = None
+
+
+def save_interventions_with_fault(*args, **kwargs):
+    if mode == "write" and steps >= fault_step - 1 and on_this_rank:
+        raise OSError(28, f"No space left on device (injected after step {steps})")
+    return save_interventions(*args, **kwargs)
 
 
 def save_checkpoint_with_fault(output_dir, step, *args, **kwargs):
@@ -57,6 +66,8 @@ def write_file_with_fault(path, data: bytes) -> None:
 
 # The scripts import these when they start training.
 alpaca.optim.clip_gradients = clip_gradients_with_fault
+alpaca.output.save_interventions = save_interventions_with_fault  # the final output
+alpaca.checkpoint.save_interventions = save_interventions_with_fault  # checkpoints
 alpaca.checkpoint.save_checkpoint = save_checkpoint_with_fault
 alpaca.checkpoint.write_file = write_file_with_fault
 

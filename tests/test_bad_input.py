@@ -1,10 +1,13 @@
-"""User mistakes: one line naming the problem and the fix, a non-zero exit, and an earlier output intact."""
+"""User mistakes: one line naming the problem and the fix, a non-zero exit, and an earlier output intact.
+
+train.py's cases run in this process (`run_in_process`): what is checked is the message, the exit status the
+script asks for and the files, not a process boundary; the usage errors of test_train run in fresh ones."""
 
 import json
 import sys
 
 import pytest
-from conftest import run_script, torchrun, write_records
+from conftest import run_in_process, torchrun, write_records
 
 SENTINEL = "an earlier result\n"
 
@@ -79,28 +82,28 @@ def test_bad_input(name, flags, message, tiny_model, tmp_path, output_dir):
     defaults = {"--model_name_or_path": str(tiny_model), "--data_path": str(write_records(tmp_path / "ok.json", 5)),
                 "--output_dir": str(output_dir), "--layers": "1;2", "--num_sample_answers": "0", "--max_steps": "1"}
     args = [item for key, value in defaults.items() if key not in flags for item in (key, value)]
-    result = run_script(["train.py", *args, *flags])
-    assert result.returncode == 2, result.stderr[-2000:]
+    status, _, stderr = run_in_process("train.py", [*args, *flags])
+    assert status == 2, stderr[-2000:]
     # One error line, the last thing printed (progress bars of the work done before it may precede it).
-    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
-    assert result.stderr.strip().splitlines()[-1] == errors[0] and "Traceback" not in result.stderr
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0], stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == errors[0] and "Traceback" not in stderr
     assert (output_dir / "notes.txt").read_text() == SENTINEL
     assert sorted(p.name for p in output_dir.iterdir()) == ["notes.txt"]
 
 
 def test_a_finished_run_is_not_overwritten(tiny_model, tmp_path, output_dir):
     data = write_records(tmp_path / "ok.json", 5)
-    args = ["train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(data), "--output_dir",
-            str(output_dir), "--layers", "1;2", "--num_sample_answers", "0", "--max_steps", "1"]
-    assert run_script(args).returncode == 0
+    args = ["--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", output_dir, "--layers", "1;2",
+            "--num_sample_answers", "0", "--max_steps", "1"]
+    assert run_in_process("train.py", args)[0] == 0
     finished = {p.name: p.read_bytes() for p in output_dir.iterdir()}
-    again = run_script([*args, "--learning_rate", "1"])
-    assert again.returncode == 2
+    status, _, stderr = run_in_process("train.py", [*args, "--learning_rate", "1"])
+    assert status == 2
     assert "already holds a run; resume it with --resume_from_checkpoint auto, or pass --overwrite_output_dir" \
-        in again.stderr
+        in stderr
     assert {p.name: p.read_bytes() for p in output_dir.iterdir()} == finished
-    assert run_script([*args, "--overwrite_output_dir"]).returncode == 0
+    assert run_in_process("train.py", [*args, "--overwrite_output_dir"])[0] == 0
 
 
 def test_more_processes_than_examples(tiny_model, tmp_path, output_dir):
@@ -140,8 +143,8 @@ def test_non_ascii_and_very_long_records_just_work(tiny_model, tmp_path):
         {"instruction": "Repeat the word 'ok'.", "input": "", "output": "ok " * 5000},
     ]
     data = write(tmp_path / "unicode.jsonl", "\n".join(json.dumps(r, ensure_ascii=False) for r in records))
-    result = run_script(["train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(data),
-                         "--output_dir", str(tmp_path / "out"), "--layers", "1;2", "--num_sample_answers", "1",
-                         "--max_new_tokens", "4", "--max_steps", "2", "--per_device_train_batch_size", "2"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Dropped 1 example(s) whose prompt alone reaches --model_max_length" in result.stdout
+    status, stdout, stderr = run_in_process("train.py", [
+        "--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", tmp_path / "out", "--layers", "1;2",
+        "--num_sample_answers", "1", "--max_new_tokens", "4", "--max_steps", "2", "--per_device_train_batch_size", "2"])
+    assert status == 0, stderr[-3000:]
+    assert "Dropped 1 example(s) whose prompt alone reaches --model_max_length" in stdout

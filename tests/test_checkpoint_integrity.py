@@ -8,8 +8,7 @@ import signal
 
 import pytest
 import torch
-from conftest import FAULTS, flags, run_script, torchrun
-from test_resume import assert_identical_runs
+from conftest import DDP, FAULTS, SINGLE, assert_same_run, flags, run_script, torchrun
 
 from alpaca.args import UsageError
 from alpaca.checkpoint import MANIFEST, checkpoints, is_complete, latest_checkpoint, load_checkpoint, sha256
@@ -43,8 +42,8 @@ def malicious_pickle(marker, payload: dict) -> bytes:
 def killed_run(tiny_model, tiny_data, tmp_path_factory):
     """train.py killed during step 8 (global batch 8, a checkpoint every 2 steps): checkpoints 2, 4 and 6."""
     directory = tmp_path_factory.mktemp("killed")
-    killed = run_script([FAULTS, "train.py", *flags(tiny_model, tiny_data, directory, "--gradient_accumulation_steps",
-                                                    "4")], env={"FAULT": "kill", "FAULT_STEP": "8"})
+    killed = run_script([FAULTS, "train.py", *flags(tiny_model, tiny_data, directory, *SINGLE)],
+                        env={"FAULT": "kill", "FAULT_STEP": "8"})
     assert killed.returncode == -signal.SIGKILL
     assert [path.name for path in checkpoints(directory)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     return directory
@@ -56,8 +55,8 @@ def test_a_pickled_callable_in_a_checkpoint_never_runs(tiny_model, tiny_data, tm
     tensors = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
     rewrite(checkpoint, "trainer_state.pt", malicious_pickle(marker, tensors))
     assert is_complete(checkpoint)  # the manifest was forged too: only the weights-only load stands in the way
-    result = run_script(["train.py", *flags(tiny_model, tiny_data, tmp_path / "run", "--gradient_accumulation_steps",
-                                            "4"), "--resume_from_checkpoint", str(checkpoint)])
+    result = run_script(["train.py", *flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE),
+                         "--resume_from_checkpoint", str(checkpoint)])
     assert result.returncode == 2
     assert "could run code when loaded; it is not loaded" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr
@@ -97,12 +96,12 @@ def test_a_damaged_checkpoint_is_refused_and_auto_resume_falls_back(tiny_model, 
     file.write_bytes(bytes(data))
     with pytest.raises(UsageError, match=f"checkpoint-6' is damaged \\({file.name} does not match its SHA-256"):
         load_checkpoint(newest)
-    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4")
+    args = flags(tiny_model, tiny_data, tmp_path, *SINGLE)
     resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipping {newest}: damaged ({file.name}" in resumed.stderr
     assert "at step 4" in resumed.stdout
-    assert_identical_runs(tmp_path, reference / "single")
+    assert_same_run(tmp_path, reference / "single", exact=True)
 
 
 def test_a_checkpoint_cut_short_is_incomplete(tmp_path, killed_run):
@@ -117,8 +116,7 @@ def test_a_checkpoint_cut_short_is_incomplete(tmp_path, killed_run):
 def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, tiny_data, tmp_path, reference,
                                                                    processes):
     """The write of checkpoint-4 (the second) fails half-way with ENOSPC on rank 0."""
-    accumulation = str(4 // processes)
-    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", accumulation)
+    args = flags(tiny_model, tiny_data, tmp_path, *(SINGLE if processes == 1 else DDP))
 
     def launch(command: list[str], faults: bool = False, env: dict | None = None):
         script = [FAULTS] if faults else []
@@ -139,7 +137,7 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
     resumed = launch([*args, "--resume_from_checkpoint", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not (tmp_path / ".checkpoint-3.staging-12345").exists()
-    assert_identical_runs(tmp_path, reference / ("single" if processes == 1 else "ddp"))
+    assert_same_run(tmp_path, reference / ("single" if processes == 1 else "ddp"), exact=True)
 
 
 def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_run):

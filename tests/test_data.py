@@ -41,6 +41,7 @@ def test_alpaca_templates():
 def test_labels_are_output_plus_eos_with_prompt_masked(tokenizer, tiny_data):
     dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
     records = json.loads(tiny_data.read_text())
+    assert {bool(record["input"]) for record in records} == {True, False}  # both templates
     for record, example in zip(records, dataset):
         prompt_ids = tokenizer(format_prompt(record["instruction"], record["input"]))["input_ids"]
         output_ids = tokenizer(record["output"], add_special_tokens=False)["input_ids"]

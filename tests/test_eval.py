@@ -5,13 +5,10 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import eval_losses, run_script
+from conftest import RTOL, eval_losses, reloaded_eval_loss, run_in_process
 
-from alpaca.args import parse_position
-from alpaca.data import eval_batches, format_prompt, intervention_locations, load_splits
-from alpaca.model import load_base_model
-from alpaca.output import load_reft_model, read_metrics
+from alpaca.data import eval_batches, load_splits
+from alpaca.output import read_metrics
 
 
 def eval_records(directory) -> list[dict]:
@@ -31,44 +28,43 @@ def test_two_ranks_report_the_eval_loss_of_one_process(runs):
     root, _ = runs
     single, ddp = eval_losses(root / "single"), eval_losses(root / "ddp")
     assert single.keys() == ddp.keys() == {4, 8, 9}
-    for step in single:
-        assert abs(ddp[step] - single[step]) <= 1e-5, step
+    assert ddp == pytest.approx(single, rel=RTOL, abs=0)
 
 
-def test_eval_loss_is_the_token_loss_of_the_saved_interventions(runs, tiny_model, tiny_eval_data):
+def test_eval_loss_is_the_token_loss_of_the_saved_interventions(runs, tiny_tied_model, tiny_eval_data):
     """Recomputed here one example at a time from the saved output, loaded the way a user loads it."""
     root, _ = runs
-    model, tokenizer = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
-    reft_model = load_reft_model(root / "single", model)
-    position = parse_position(json.loads((root / "single" / "training_args.json").read_text())["position"])
-    loss_sum, label_tokens = 0.0, 0
-    for record in json.loads(tiny_eval_data.read_text()):
-        prompt = tokenizer(format_prompt(record["instruction"], record["input"]))["input_ids"]
-        output = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = torch.tensor([prompt + output])
-        locations = intervention_locations([len(prompt)], position, False, 2, pad_position=None)
-        with torch.no_grad():
-            _, outputs = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})
-        logits = outputs.logits[0, len(prompt) - 1 : -1]
-        loss_sum += F.cross_entropy(logits, ids[0, len(prompt) :], reduction="sum").item()
-        label_tokens += len(output)
     final = eval_records(root / "single")[-1]
-    assert final["eval_label_tokens"] == label_tokens
-    assert final["eval_loss"] == pytest.approx(loss_sum / label_tokens, abs=1e-5)
+    records = json.loads(tiny_eval_data.read_text())
+    assert {bool(record["input"]) for record in records} == {True, False}  # both prompt templates
+    assert final["eval_loss"] == pytest.approx(reloaded_eval_loss(root / "single", tiny_tied_model, records),
+                                               rel=RTOL)
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_evaluation_switches_dropout_off(reference, tiny_model, tiny_data, name):
+    """The reference runs train with dropout 0.1 on the intervention output: the eval loss they logged after
+    their last step is that of the saved interventions without dropout (with it, it would be far off)."""
+    final = eval_records(reference / name)[-1]
+    assert final["step"] == 9 and json.loads((reference / name / "training_args.json").read_text())["dropout"] > 0
+    _, held_out = load_splits(str(tiny_data), eval_split_ratio=0.15, seed=42)
+    assert final["eval_examples"] == len(held_out) == 4
+    assert final["eval_loss"] == pytest.approx(reloaded_eval_loss(reference / name, tiny_model, held_out),
+                                               rel=RTOL)
 
 
 def test_eval_split_ratio_holds_out_part_of_the_training_data(tiny_model, tiny_data, tmp_path):
     """21 examples, ratio 0.25: 6 held out, 15 trained on; evaluated at each epoch's end by default."""
-    result = run_script(["train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
-                         "--output_dir", str(tmp_path), "--layers", "1;3", "--num_sample_answers", "0",
-                         "--per_device_train_batch_size", "4", "--num_train_epochs", "2", "--eval_split_ratio",
-                         "0.25"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "15 examples" in result.stdout and "eval: 6 examples, epoch" in result.stdout
+    status, stdout, stderr = run_in_process("train.py", [
+        "--model_name_or_path", tiny_model, "--data_path", tiny_data, "--output_dir", tmp_path, "--layers", "1;2",
+        "--num_sample_answers", "0", "--per_device_train_batch_size", "4", "--num_train_epochs", "2",
+        "--eval_split_ratio", "0.25"])
+    assert status == 0, stderr[-3000:]
+    assert "15 examples" in stdout and "eval: 6 examples, epoch" in stdout
     records = eval_records(tmp_path)
     assert [(record["step"], record["eval_examples"]) for record in records] == [(4, 6), (8, 6)]
-    assert f"step 4: eval loss {records[0]['eval_loss']:.4f} on 6 examples" in result.stdout
-    assert f"eval loss {records[0]['eval_loss']:.4f} -> {records[-1]['eval_loss']:.4f}" in result.stdout
+    assert f"step 4: eval loss {records[0]['eval_loss']:.4f} on 6 examples" in stdout
+    assert f"eval loss {records[0]['eval_loss']:.4f} -> {records[-1]['eval_loss']:.4f}" in stdout
 
 
 def test_held_out_split_is_seeded_disjoint_and_never_subsampled_into(tiny_data):

@@ -1,43 +1,75 @@
 """examples/generate.py: base vs ReFT answers of a trained run, and two runs compared."""
 
+import shutil
+
+import pytest
 import torch
 from conftest import REPO, run_script
 
 from alpaca.generation import answer
-from alpaca.model import load_base_model
-from alpaca.output import load_reft_model
+from alpaca.model import build_reft_model, load_base_model
+from alpaca.output import load_reft_model, save_interventions
 
 GENERATE = str(REPO / "examples" / "generate.py")
+INSTRUCTIONS = ["Give two tips for staying focused.", "Write a haiku about rain."]
 
 
-def test_the_reft_answer_uses_the_trained_interventions(runs, tiny_model):
+@pytest.fixture(scope="module")
+def untrained(runs, tiny_tied_model, tmp_path_factory):
+    """The output the `runs` recipe would leave without training: its initial interventions (the same seed)."""
     root, _ = runs
-    model, tokenizer = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
-    reft_model = load_reft_model(root / "single", model)
-    base, reft = answer(reft_model, tokenizer, "Name three primary colors.", (2, 2), False, 2, max_new_tokens=8)
-    assert base and reft and base != reft
+    directory = tmp_path_factory.mktemp("untrained")
+    shutil.copy(root / "single" / "training_args.json", directory)
+    model, _ = load_base_model(str(tiny_tied_model), torch.float32, torch.device("cpu"))
+    torch.manual_seed(42)
+    save_interventions(build_reft_model(model, "1;2", (2, 2), False, rank=4), directory)
+    return directory
 
 
-def test_generate_prints_base_and_reft_side_by_side(runs):
+def answers(run_dir, model_dir) -> list[tuple[str, str]]:
+    model, tokenizer = load_base_model(str(model_dir), torch.float32, torch.device("cpu"))
+    reft_model = load_reft_model(run_dir, model)
+    return [answer(reft_model, tokenizer, instruction, (2, 2), False, 2, max_new_tokens=8)
+            for instruction in INSTRUCTIONS]
+
+
+def test_the_reft_answer_is_the_trained_model_s(runs, untrained, tiny_tied_model):
+    """Answers of the trained interventions differ from those of the initial ones (whose answers already differ
+    from the base's), and 1 and 2 processes trained interventions that answer alike."""
     root, _ = runs
-    result = run_script([GENERATE, "--reft_dir", str(root / "single"), "--instruction", "Name three primary colors.",
+    trained, initial = answers(root / "single", tiny_tied_model), answers(untrained, tiny_tied_model)
+    assert [base for base, _ in trained] == [base for base, _ in initial]
+    assert all(reft and reft != initial_reft for (_, reft), (_, initial_reft) in zip(trained, initial))
+    assert answers(root / "ddp", tiny_tied_model) == trained
+
+
+def test_generate_prints_base_and_reft_side_by_side(runs, tiny_tied_model):
+    root, _ = runs
+    result = run_script([GENERATE, "--reft_dir", str(root / "single"), "--instruction", INSTRUCTIONS[0],
                          "--max_new_tokens", "8"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Instruction: Name three primary colors." in result.stdout
-    assert "BASE MODEL" in result.stdout and "REFT MODEL" in result.stdout
+    assert f"Instruction: {INSTRUCTIONS[0]}" in result.stdout
+    assert compared(result, "REFT MODEL") == answers(root / "single", tiny_tied_model)[0]
 
 
-def test_generate_compares_two_runs(runs):
-    """The single-process and the 2-rank run trained the same model: the same answers."""
-    root, _ = runs
-    result = run_script([GENERATE, "--reft_dir", str(root / "single"), "--compare", str(root / "ddp"),
-                         "--instruction", "Give two tips for staying focused.", "--max_new_tokens", "8"])
-    assert result.returncode == 0, result.stderr[-3000:]
+def compared(result, second) -> tuple[str, str]:
+    """The two answers of `generate.py --compare` for its one instruction."""
     lines = result.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.endswith(" | " + str(root / "ddp")))
+    header = next(i for i, line in enumerate(lines) if line.endswith(" | " + str(second)))
     column = lines[header].index(" | ")  # the answers' columns are cut where the headers' are
-    left, right = lines[header + 1][:column], lines[header + 1][column + 3 :]
-    assert left.strip() == right.strip() and left.strip()
+    return lines[header + 1][:column].strip(), lines[header + 1][column + 3 :].strip()
+
+
+def test_generate_compares_two_runs(runs, untrained, tiny_tied_model):
+    """The trained run against its untrained interventions: each column holds its run's answer, and they differ."""
+    root, _ = runs
+    result = run_script([GENERATE, "--reft_dir", str(root / "single"), "--compare", str(untrained),
+                         "--instruction", INSTRUCTIONS[1], "--max_new_tokens", "8"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    left, right = compared(result, untrained)
+    assert left == answers(root / "single", tiny_tied_model)[1][1]
+    assert right == answers(untrained, tiny_tied_model)[1][1]
+    assert left != right
 
 
 def test_generate_needs_a_training_output(tmp_path):

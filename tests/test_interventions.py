@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import REPO, run_script, write_records
+from conftest import REPO, run_in_process, run_script, write_records
 
 from alpaca.args import INTERVENTIONS, parse_args
 from alpaca.data import Collator, load_records, tokenize
@@ -81,13 +81,12 @@ def test_each_intervention_trains_and_reloads_with_the_same_outputs(tiny_model, 
 
 
 def test_noreft_trains_end_to_end_and_generate_loads_it(tiny_model, tmp_path):
-    """NoReFT needs `add_bias`, which pyreft's own loader cannot know."""
+    """NoReFT needs `add_bias`, which pyreft's own loader cannot know (KeyError: 'add_bias')."""
     output = tmp_path / "out"
-    result = run_script(["train.py", "--model_name_or_path", str(tiny_model), "--data_path",
-                         str(write_records(tmp_path / "data.json", 6)), "--output_dir", str(output),
-                         "--intervention", "noreft", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers",
-                         "0"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    status, _, stderr = run_in_process("train.py", [
+        "--model_name_or_path", tiny_model, "--data_path", write_records(tmp_path / "data.json", 6), "--output_dir",
+        output, "--intervention", "noreft", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers", "0"])
+    assert status == 0, stderr[-3000:]
     generated = run_script([str(REPO / "examples" / "generate.py"), "--reft_dir", str(output), "--instruction",
                             "Name three primary colors.", "--max_new_tokens", "4"])
     assert generated.returncode == 0, generated.stderr[-3000:]

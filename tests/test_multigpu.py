@@ -2,8 +2,9 @@
 
 import json
 
+import pytest
 import torch
-from conftest import COMMON, assert_same_model, intervention_weights, run_script, torchrun
+from conftest import COMMON, assert_same_run, intervention_weights, run_script, torchrun
 
 from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
@@ -12,15 +13,17 @@ from alpaca.output import read_metrics
 def test_two_ranks_train_the_same_model_as_train_py(runs):
     root, _ = runs
     assert [r["step"] for r in read_metrics(root / "ddp") if "loss" in r] == list(range(1, 10))  # 3 epochs x 3
-    assert_same_model(root / "ddp", root / "single")
+    assert_same_run(root / "ddp", root / "single")
 
 
-def test_world_size_one_matches_two(runs):
+def test_world_size_one_is_train_py_bit_for_bit(runs):
+    """One process of train_multigpu.py does train.py's arithmetic: the same run exactly (and so, within float
+    noise, the two-rank one)."""
     root, data = runs
     result = run_script(["train_multigpu.py", *data, "--output_dir", str(root / "one"),
                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_model(root / "ddp", root / "one")
+    assert_same_run(root / "one", root / "single", exact=True)
 
 
 def test_only_rank_zero_prints_and_writes(runs):
@@ -52,49 +55,57 @@ def test_ranks_see_disjoint_shards_covering_each_epoch_in_a_new_order():
     assert orders[0] != orders[1] != orders[2]
 
 
-def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
-    """On a bf16 model pyreft's own loader rebuilds exactly the interventions we trained."""
+@pytest.fixture(scope="module")
+def bf16_wandb_run(tiny_model, tiny_data, tiny_eval_data, tmp_path_factory):
+    """Two ranks, a bf16 model, wandb (offline) and evaluation: one launch for the tests below."""
+    output_dir = tmp_path_factory.mktemp("bf16-wandb")
+    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
+                          str(tiny_data), *COMMON, "--max_steps", "2", "--dtype", "bfloat16", "--report_to", "wandb",
+                          "--eval_data_path", str(tiny_eval_data), "--output_dir", str(output_dir)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir, result
+
+
+def test_bf16_output_loads_in_pyreft(tiny_model, bf16_wandb_run):
+    """On a bf16 model pyreft's own loader rebuilds exactly the interventions we trained (not their initial
+    values, which the files would also hold if training changed nothing)."""
     import pyreft
 
-    from alpaca.model import load_base_model
+    from alpaca.model import build_reft_model, load_base_model
 
-    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
-                          str(tiny_data), *COMMON, "--max_steps", "2", "--dtype", "bfloat16", "--output_dir",
-                          str(tmp_path)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    output_dir, _ = bf16_wandb_run
     base, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
-    reft_model = pyreft.ReftModel.load(str(tmp_path), base)
-    saved = intervention_weights(tmp_path)
+    reft_model = pyreft.ReftModel.load(str(output_dir), base)
+    saved = intervention_weights(output_dir)
+    fresh, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
+    torch.manual_seed(42)  # the run's --seed: its initial interventions
+    initial = build_reft_model(fresh, "1;2", (2, 2), False, rank=4).interventions
     for key, intervention in reft_model.interventions.items():
         assert torch.equal(intervention.learned_source.weight, saved[f"intkey_{key}.bin/weight"])
         assert torch.equal(intervention.rotate_layer.weight, saved[f"intkey_{key}.bin/rotate_layer"])
+        assert not torch.equal(intervention.learned_source.weight, initial[key].learned_source.weight)
     ids = torch.randint(0, 300, (1, 12))
     locations = [[[0, 1]]] * 2 + [[[10, 11]]] * 2
     _, outputs = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})
     assert torch.isfinite(outputs.logits).all()
 
 
-def test_pyreft_command_line_on_four_processes(tiny_model, tiny_data, tmp_path):
-    """The README's multi-GPU command line, verbatim but for the model and data paths."""
-    result = torchrun(4, [
-        "train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
-        "--output_dir", str(tmp_path), "--layers", "1;3", "--rank", "4", "--position", "f1+l1",
-        "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
-        "--gradient_accumulation_steps", "8", "--evaluation_strategy", "no", "--save_strategy", "no",
-        "--learning_rate", "2e-5", "--weight_decay", "0.", "--warmup_ratio", "0.03", "--lr_scheduler_type",
-        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--optim", "adamw_torch",
-        "--remove_unused_columns", "False", "--num_sample_answers", "0"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(read_metrics(tmp_path)) == 2  # 21 examples in a global batch of 128: one step per epoch
-
-
-def test_wandb_offline_gives_one_run_for_all_ranks(tiny_model, tiny_data, tiny_eval_data, tmp_path):
-    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
-                          *COMMON, "--max_steps", "2", "--report_to", "wandb", "--output_dir", str(tmp_path),
-                          "--eval_data_path", str(tiny_eval_data)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+def test_wandb_offline_gives_one_run_for_all_ranks(bf16_wandb_run):
+    output_dir, result = bf16_wandb_run
+    runs = list((output_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     assert "logged offline" in result.stdout and "wandb sync" in result.stdout
     logged = next(runs[0].glob("run-*.wandb")).read_bytes()
     assert b"train/loss" in logged and b"eval/loss" in logged
+
+
+def test_pyreft_command_line_on_four_processes(pyreft_command_line, pyreft_example_run, tmp_path):
+    """The same command line on 4 processes, with the accumulation that keeps its global batch (4 per device x 4
+    processes x 2): the model of one process. 21 examples in a global batch of 32: one partial step per
+    epoch, of which the ranks hold 6, 5, 5 and 5 examples."""
+    result = torchrun(4, ["train_multigpu.py", *pyreft_command_line, "--gradient_accumulation_steps", "2",
+                          "--output_dir", str(tmp_path), "--num_sample_answers", "0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "global batch 32 = 4 per device x 4 processes x 2 accumulation" in result.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert_same_run(tmp_path, pyreft_example_run[0])

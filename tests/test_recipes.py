@@ -1,13 +1,14 @@
 """The launch recipes in examples/launch, run the way a user runs them (here on CPU, gloo): each trains the
 model that one process trains with the same global batch."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_same_model, free_port, run_script
+from conftest import REPO, assert_same_run, free_port, intervention_weights, run_script
 
 RECIPES = REPO / "examples" / "launch"
 # python, torchrun and accelerate of the environment running the tests; the global batch of `runs`.
@@ -51,7 +52,7 @@ def test_recipe_trains_the_model_of_one_process(runs, name, env, accumulation):
     result = recipe(name, data, {"OUTPUT_DIR": str(output_dir), **env})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"x {accumulation} accumulation" in result.stdout
-    assert_same_model(output_dir, root / "single")
+    assert_same_run(output_dir, root / "single")
 
 
 def test_two_nodes_recipe_meets_through_c10d(runs):
@@ -64,7 +65,7 @@ def test_two_nodes_recipe_meets_through_c10d(runs):
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert_same_model(root / "recipe-two-nodes", root / "single")
+    assert_same_run(root / "recipe-two-nodes", root / "single")
 
 
 def test_slurm_recipe_under_a_stand_in_srun(runs, tmp_path):
@@ -85,12 +86,19 @@ def test_slurm_recipe_under_a_stand_in_srun(runs, tmp_path):
     result = run_script([str(RECIPES / "slurm.sbatch"), *data], launcher=["bash"], env={**RECIPE_ENV, **env},
                         cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_model(root / "recipe-slurm", root / "single")
+    assert_same_run(root / "recipe-slurm", root / "single")
 
 
-def test_cpu_smoke_recipe(tiny_model, tiny_data, tmp_path):
-    result = recipe("cpu_smoke.sh", ["--layers", "1;3"], {"MODEL": str(tiny_model), "DATA": str(tiny_data),
-                                                          "OUTPUT_DIR": str(tmp_path)})
+def test_cpu_smoke_recipe_with_shared_interventions_in_file_order(tiny_model, tiny_data, tmp_path):
+    """The smoke recipe, on paths no other run takes: one intervention per layer shared by both windows, and
+    batches in the data's order (no length grouping). One and two processes train the same model."""
+    result = recipe("cpu_smoke.sh", ["--layers", "1;3", "--share_weights", "--group_by_length", "false",
+                                     "--logging_steps", "1"],
+                    {"MODEL": str(tiny_model), "DATA": str(tiny_data), "OUTPUT_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_model(tmp_path / "two-processes", tmp_path / "one-process")
+    args = json.loads((tmp_path / "two-processes" / "training_args.json").read_text())
+    assert (args["share_weights"], args["group_by_length"]) == (True, False)
+    weights = intervention_weights(tmp_path / "one-process")
+    assert len({name.split("/")[0] for name in weights}) == 2  # one per layer, not per layer and window
+    assert_same_run(tmp_path / "two-processes", tmp_path / "one-process")
     assert "one-process" in result.stdout and "two-processes" in result.stdout  # the answers, side by side

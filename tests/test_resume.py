@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,53 +11,98 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import FAULTS, REPO, assert_same_model, flags, intervention_weights, run_script, torchrun
+from conftest import (
+    DDP,
+    FAULTS,
+    REPO,
+    SINGLE,
+    assert_same_run,
+    flags,
+    run_in_process,
+    run_script,
+    torchrun,
+)
 
 from alpaca.checkpoint import checkpoints, latest_checkpoint
 from alpaca.output import read_metrics
 
 
-def assert_identical_runs(actual_dir, expected_dir):
-    """Bit-identical weights and the same logged losses at every step."""
-    actual, expected = intervention_weights(actual_dir), intervention_weights(expected_dir)
-    assert actual.keys() == expected.keys() and actual
-    for key in expected:
-        assert torch.equal(actual[key], expected[key]), key
-    assert [r["step"] for r in read_metrics(actual_dir)] == list(range(1, 10))
-    assert [r["loss"] for r in read_metrics(actual_dir)] == [r["loss"] for r in read_metrics(expected_dir)]
-
-
 def test_kill_9_then_auto_resume_is_bit_identical(tiny_model, tiny_data, tmp_path, reference):
-    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4")
+    args = flags(tiny_model, tiny_data, tmp_path, *SINGLE)
     killed = run_script([FAULTS, "train.py", *args], env={"FAULT": "kill", "FAULT_STEP": "6"})
     assert killed.returncode == -signal.SIGKILL
     assert latest_checkpoint(tmp_path).name == "checkpoint-4"
     resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "at step 4" in resumed.stdout
-    assert_identical_runs(tmp_path, reference / "single")
+    assert_same_run(tmp_path, reference / "single", exact=True)
 
 
 def test_kill_9_of_one_rank_then_auto_resume_is_bit_identical(tiny_model, tiny_data, tmp_path, reference):
-    args = ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2")]
+    """Resumed from checkpoint-4, inside a logging window (every 3 steps) that both ranks had begun."""
+    args = ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *DDP)]
     killed = torchrun(2, [FAULTS, *args], env={"FAULT": "kill", "FAULT_STEP": "6", "FAULT_RANK": "1"})
     assert killed.returncode != 0
     assert latest_checkpoint(tmp_path).name == "checkpoint-4"
     resumed = torchrun(2, [*args, "--resume_from_checkpoint", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_identical_runs(tmp_path, reference / "ddp")
+    assert_same_run(tmp_path, reference / "ddp", exact=True)
 
 
-def test_sigterm_checkpoints_exits_non_zero_and_resumes(tiny_model, tiny_data, tmp_path, reference):
-    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4", "--save_strategy", "no")
-    stopped = run_script([FAULTS, "train.py", *args], env={"FAULT": "sigterm", "FAULT_STEP": "5"})
-    assert stopped.returncode != 0
-    assert "stopped by SIGTERM after step 5" in stopped.stderr
-    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-5"]
+def test_epoch_checkpoints_rotated_to_one_then_resumed_at_an_epoch_end(tiny_model, tiny_data, tmp_path, reference):
+    """--save_strategy epoch --save_total_limit 1: killed in step 5, only checkpoint-3 (the end of epoch 1) is
+    there; the resumed run starts epoch 2 from it, writes checkpoint-6 and deletes checkpoint-3."""
+    args = flags(tiny_model, tiny_data, tmp_path, *SINGLE, "--save_strategy", "epoch", "--save_total_limit", "1")
+    killed = run_script([FAULTS, "train.py", *args], env={"FAULT": "kill", "FAULT_STEP": "5"})
+    assert killed.returncode == -signal.SIGKILL
+    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-3"]
     resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_identical_runs(tmp_path, reference / "single")
+    assert "at step 3" in resumed.stdout
+    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-6"]
+    assert_same_run(tmp_path, reference / "single", exact=True)
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tiny_model, tiny_data, tmp_path_factory):
+    """train.py stopped by SIGTERM after step 5 (inside a logging window of 2 steps), then resumed; reporting
+    to wandb (offline). One launch each, for the tests below."""
+    output_dir = tmp_path_factory.mktemp("stopped")
+    args = flags(tiny_model, tiny_data, output_dir, *SINGLE, "--save_strategy", "no", "--report_to", "wandb")
+    stopped = run_script([FAULTS, "train.py", *args], env={"FAULT": "sigterm", "FAULT_STEP": "5"})
+    checkpoints_when_stopped = [path.name for path in checkpoints(output_dir)]
+    resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
+    return output_dir, stopped, checkpoints_when_stopped, resumed
+
+
+def test_sigterm_checkpoints_exits_143_and_resumes(stopped_and_resumed, reference):
+    output_dir, stopped, checkpoints_when_stopped, resumed = stopped_and_resumed
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert "stopped by SIGTERM after step 5" in stopped.stderr
+    assert checkpoints_when_stopped == ["checkpoint-5"]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(output_dir, reference / "single", exact=True)
+
+
+def test_sigint_checkpoints_and_exits_130(tiny_model, tiny_data, tmp_path, monkeypatch):
+    """Ctrl-C: in this process (the exit status the script asks for; the SIGTERM test above sees a real one)."""
+    import alpaca.optim
+
+    clip_gradients = alpaca.optim.clip_gradients
+    steps = []
+
+    def interrupted_in_step_3(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return clip_gradients(*args, **kwargs)
+
+    monkeypatch.setattr(alpaca.optim, "clip_gradients", interrupted_in_step_3)
+    status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *SINGLE,
+                                                         "--save_strategy", "no"))
+    assert status == 128 + signal.SIGINT, stderr[-3000:]
+    assert "stopped by SIGINT after step 3" in stderr
+    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-3"]
 
 
 def child_pids(pid: int) -> list[int]:
@@ -98,12 +145,29 @@ def test_a_stop_signal_checkpoints_every_rank(tiny_model, tiny_data, tmp_path, t
 
 def test_a_rank_raising_brings_the_job_down_quickly(tiny_model, tiny_data, tmp_path):
     started = time.monotonic()
-    result = torchrun(2, [FAULTS, "train_multigpu.py",
-                          *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2")],
+    result = torchrun(2, [FAULTS, "train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *DDP)],
                       env={"FAULT": "raise", "FAULT_STEP": "3", "FAULT_RANK": "1"})
     assert result.returncode != 0
     assert time.monotonic() - started < 60
     assert "injected failure at step 3" in result.stderr
+
+
+@pytest.mark.parametrize("step,what", [(3, "checkpoint-2"), (10, "output")])
+def test_a_failed_write_on_rank_zero_stops_every_rank(tiny_model, tiny_data, tmp_path, step, what):
+    """Rank 0 alone writes; when that fails (a full disk), rank 1 learns it at once and exits with an error too,
+    instead of waiting in the next collective for --ddp_timeout. torchrun is told to look at its workers only
+    every 10 s: each rank must end on its own. A written checkpoint stays intact."""
+    args = [FAULTS, "train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *DDP, "--ddp_timeout", "600")]
+    result = torchrun(2, args, extra=["--monitor-interval", "10"], env={"FAULT": "write", "FAULT_STEP": str(step)},
+                      timeout=180)
+    assert result.returncode != 0
+    assert result.stderr.count("OSError: [Errno 28] No space left on device (injected") == 1, result.stderr[-3000:]
+    ended = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", result.stderr)
+    assert sorted(ended) == [("0", "1"), ("1", "1")], result.stderr[-3000:]
+    assert [path.name for path in checkpoints(tmp_path)] == ([] if what == "checkpoint-2" else
+                                                             ["checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                                              "checkpoint-8"])
+    assert not list(tmp_path.glob("intkey_*.bin"))
 
 
 def test_resume_on_another_world_size_with_the_same_global_batch(tiny_model, tiny_data, tmp_path, reference):
@@ -113,41 +177,37 @@ def test_resume_on_another_world_size_with_the_same_global_batch(tiny_model, tin
     killed = torchrun(2, multi, env={"FAULT": "kill", "FAULT_STEP": "6"})
     assert killed.returncode != 0
     single = flags(tiny_model, tiny_data, tmp_path, "--dropout", "0")
-    refused = run_script(["train.py", *single, "--gradient_accumulation_steps", "2", "--resume_from_checkpoint",
-                          "auto"])
-    assert refused.returncode == 2
+    status, _, stderr = run_in_process("train.py", [*single, "--gradient_accumulation_steps", "2",
+                                                    "--resume_from_checkpoint", "auto"])
+    assert status == 2
     assert ("global batch 8 = 2 per device x 2 processes x 2 accumulation, this run has global batch 4 = 2 per "
-            "device x 1 processes x 2 accumulation") in refused.stderr
+            "device x 1 processes x 2 accumulation") in stderr
     resumed = run_script(["train.py", *single, "--gradient_accumulation_steps", "4", "--resume_from_checkpoint",
                           "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_model(tmp_path, reference / "single-no-dropout")
+    assert_same_run(tmp_path, reference / "single-no-dropout")
 
 
 @pytest.mark.parametrize("changed,message", [
-    (["--layers", "1;2"], "resume with the original --layers"),
+    (["--layers", "1;3"], "resume with the original --layers"),
     (["--seed", "7"], "resume with the same data and seed"),
     (["--rank", "2"], "initialized differently"),
 ])
 def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, message):
-    import shutil
-
+    """In this process: the refusal is a usage error like any other (tested as such in a fresh one)."""
     shutil.copytree(reference / "single", tmp_path, dirs_exist_ok=True)
-    result = run_script(["train.py", *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4"),
-                         *changed, "--resume_from_checkpoint", "auto"])
-    assert result.returncode == 2
-    assert message in result.stderr.strip().splitlines()[-1] and "Traceback" not in result.stderr
+    status, _, stderr = run_in_process("train.py", [*flags(tiny_model, tiny_data, tmp_path, *SINGLE), *changed,
+                                                    "--resume_from_checkpoint", "auto"])
+    assert status == 2
+    assert message in stderr.strip().splitlines()[-1] and "Traceback" not in stderr
 
 
-def test_a_resumed_run_continues_its_wandb_run(tiny_model, tiny_data, tmp_path):
+def test_a_resumed_run_continues_its_wandb_run(stopped_and_resumed):
     """Offline, as in the tests: each start writes a run directory, both carry the id kept in the checkpoint,
     so `wandb sync` appends the resumed part to the same run."""
-    args = flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "4", "--save_strategy", "no",
-                 "--report_to", "wandb")
-    stopped = run_script([FAULTS, "train.py", *args], env={"FAULT": "sigterm", "FAULT_STEP": "5"})
+    tmp_path, stopped, _, resumed = stopped_and_resumed
     assert stopped.returncode != 0 and "stopped by SIGTERM after step 5" in stopped.stderr
     run_id = json.loads((tmp_path / "checkpoint-5" / "trainer_state.json").read_text())["wandb_run_id"]
-    resumed = run_script(["train.py", *args, "--resume_from_checkpoint", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run_dirs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 2 and all(path.name.endswith(f"-{run_id}") for path in run_dirs), run_dirs

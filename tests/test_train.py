@@ -5,7 +5,15 @@ import sys
 
 import pytest
 import torch
-from conftest import run_script, write_records
+from conftest import (
+    COMMON,
+    SAMPLE_DATA,
+    assert_same_run,
+    intervention_weights,
+    logged_values,
+    run_in_process,
+    run_script,
+)
 
 from alpaca.model import build_reft_model, intervention_parameters, load_base_model, optimizer_param_groups
 from alpaca.output import load_reft_model, read_metrics, save_interventions
@@ -14,17 +22,18 @@ FAST = ["--num_sample_answers", "0", "--logging_steps", "1"]
 
 
 def train(tiny_model, tiny_data, output_dir, *flags):
-    result = run_script(["train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
-                         "--output_dir", str(output_dir), *FAST, *flags])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    """train.py in this process (what is checked is its output, not how it runs)."""
+    status, _, stderr = run_in_process("train.py", ["--model_name_or_path", tiny_model, "--data_path", tiny_data,
+                                                    "--output_dir", output_dir, *FAST, *flags])
+    assert status == 0, stderr[-3000:]
 
 
 @pytest.mark.parametrize("weight_decay", ["0.0", "0.1"])
 def test_training_lowers_the_loss(tiny_model, tmp_path, weight_decay):
     """One fixed batch, so the curve is deterministic. With weight decay too: the rotation is kept out of
     it; if it were not, the rotation would be zeroed at the first step and the loss would stay flat."""
-    data = write_records(tmp_path / "seven.json", 7)
+    data = tmp_path / "seven.json"  # the shipped sample's first 7 records, a batch that 15 steps fit visibly
+    data.write_text(json.dumps(json.loads(SAMPLE_DATA.read_text())[:7]))
     train(tiny_model, data, tmp_path / "out", "--layers", "all", "--position", "f3+l3", "--rank", "4",
           "--learning_rate", "3e-2", "--per_device_train_batch_size", "7", "--max_steps", "15",
           "--weight_decay", weight_decay)
@@ -34,6 +43,44 @@ def test_training_lowers_the_loss(tiny_model, tmp_path, weight_decay):
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
     args = json.loads((tmp_path / "out" / "training_args.json").read_text())
     assert args["weight_decay"] == float(weight_decay) and args["total_steps"] == 15
+
+
+def test_the_run_comparison_catches_a_wrong_gradient_scale(tiny_model, tiny_data, tiny_eval_data, tmp_path,
+                                                         monkeypatch):
+    """A run whose objective is twice the right one (as when a `* world_size` or an accumulation factor is
+    lost) against the right one, both in this process. With a negligible Adam epsilon and no clipping, AdamW
+    divides the factor out exactly: the weights, losses and eval losses are bit-identical, and only the
+    gradient norm tells the runs apart. The shared comparison must fail on it."""
+    import alpaca.loss
+
+    args = ["--model_name_or_path", tiny_model, "--data_path", tiny_data, *COMMON, "--max_steps", "4",
+            "--per_device_train_batch_size", "4", "--adam_epsilon", "1e-30", "--max_grad_norm", "0",
+            "--eval_data_path", tiny_eval_data, "--eval_strategy", "steps", "--eval_steps", "2"]
+    status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "right"])
+    assert status == 0, stderr[-3000:]
+    token_weighted_loss = alpaca.loss.token_weighted_loss
+    monkeypatch.setattr(alpaca.loss, "token_weighted_loss", lambda *a, **k: 2 * token_weighted_loss(*a, **k))
+    status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "doubled"])
+    assert status == 0, stderr[-3000:]
+
+    right, doubled = intervention_weights(tmp_path / "right"), intervention_weights(tmp_path / "doubled")
+    assert right.keys() == doubled.keys() and all(torch.equal(doubled[key], right[key]) for key in right)
+    right_log, doubled_log = logged_values(tmp_path / "right"), logged_values(tmp_path / "doubled")
+    assert doubled_log["loss"] == right_log["loss"] and doubled_log["eval_loss"] == right_log["eval_loss"]
+    assert doubled_log["grad_norm"] == {step: 2 * norm for step, norm in right_log["grad_norm"].items()}
+    with pytest.raises(AssertionError, match="grad_norm"):
+        assert_same_run(tmp_path / "doubled", tmp_path / "right")
+    assert_same_run(tmp_path / "right", tmp_path / "right", exact=True)
+
+
+def test_noreft_trains_evaluates_and_saves(tiny_model, tiny_data, tiny_eval_data, tmp_path):
+    """--intervention noreft end to end (in this process): the loss falls, NoReFT's bias is saved."""
+    train(tiny_model, tiny_data, tmp_path, *COMMON, "--intervention", "noreft", "--max_steps", "6",
+          "--per_device_train_batch_size", "7", "--eval_data_path", tiny_eval_data)
+    losses = [record["loss"] for record in read_metrics(tmp_path) if "loss" in record]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert [record["step"] for record in read_metrics(tmp_path) if "eval_loss" in record] == [3, 6]
+    assert any(name.endswith("/proj_layer.bias") for name in intervention_weights(tmp_path))
 
 
 def test_rotation_never_gets_weight_decay(tiny_model):
@@ -72,22 +119,12 @@ def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
             assert torch.equal(actual, expected), (load, dtype)
 
 
-def test_pyreft_example_command_line_runs(tiny_model, tiny_data, tmp_path):
-    """The command line of pyreft's examples/alpaca, verbatim but for the model and data paths, plus the two
-    flags its own argument class adds to HF's."""
-    result = run_script([
-        "train.py", "--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
-        "--output_dir", str(tmp_path), "--layers", "1;3", "--rank", "4", "--position", "f1+l1",
-        "--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
-        "--gradient_accumulation_steps", "8", "--evaluation_strategy", "no", "--save_strategy", "no",
-        "--learning_rate", "2e-5", "--weight_decay", "0.", "--warmup_ratio", "0.03", "--lr_scheduler_type",
-        "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--optim", "adamw_torch",
-        "--remove_unused_columns", "False", "--num_sample_answers", "1",
-        "--max_new_tokens", "8"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(read_metrics(tmp_path)) == 2  # 21 examples, global batch 32: one step per epoch
+def test_pyreft_example_command_line_runs(pyreft_example_run):
+    """The command line of pyreft's examples/alpaca (the run is shared with the 4-process test)."""
+    output_dir, result = pyreft_example_run
+    assert len(read_metrics(output_dir)) == 2  # 21 examples, global batch 32: one step per epoch
     assert "BASE MODEL" in result.stdout and "REFT MODEL" in result.stdout
-    assert sorted(p.name for p in tmp_path.glob("intkey_*.bin")) and (tmp_path / "config.json").exists()
+    assert sorted(p.name for p in output_dir.glob("intkey_*.bin")) and (output_dir / "config.json").exists()
 
 
 def test_help_and_argument_errors_need_no_heavy_imports():
