@@ -172,9 +172,9 @@ def run_variant(args: argparse.Namespace) -> dict:
                              * batch["input_ids"].shape[0] for batch in micro_batches)
     synchronize()
     seconds = time.perf_counter() - started
-    host_ms, device_ms = profile_steps(args, train_step, steps, device)
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"  # before the profiler's own memory
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    host_ms, device_ms = profile_steps(args, train_step, steps, device)
     base_parameters = sum(p.numel() for p in model.parameters())
     intervention_parameters_count = sum(p.numel() for p in parameters)
     flops = 4 * base_parameters * tokens + 6 * intervention_parameters_count / len(reft_model.interventions) * positions
