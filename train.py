@@ -33,9 +33,10 @@ def train(args) -> None:
 
     import numpy as np
     import torch
+    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from alpaca.args import parse_position
+    from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
         load_checkpoint,
@@ -47,11 +48,12 @@ def train(args) -> None:
     )
     from alpaca.data import (
         Collator,
+        GlobalBatchSampler,
+        StepCollator,
+        dataloader_worker_init,
         eval_batches,
-        iterate_global_batches,
         load_splits,
         prepare_dataset,
-        rank_micro_batches,
     )
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
@@ -79,6 +81,7 @@ def train(args) -> None:
                   f"torchrun --nproc_per_node {torch.cuda.device_count()} train_multigpu.py <same flags>")
     else:
         device = torch.device("cpu")
+    resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
@@ -97,7 +100,7 @@ def train(args) -> None:
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
                                   args.intervention)
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
-    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers)
+    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
     parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
 
     # -- optimization: global batch = per_device x 1 process x accumulation ---------------------------
@@ -127,55 +130,70 @@ def train(args) -> None:
             scheduler=scheduler, rng_states=[rng_state(device)], args=args, world_size=1,
             num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit)
 
-    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True)
-    window = torch.tensor(window, dtype=torch.float64)  # summed loss, label tokens, tokens seen since the last log
-    lengths = np.array(dataset["length"]) if args.group_by_length else None
+    # -- data: one item per optimizer step, its micro-batches collated (in workers, ahead of the step) -------
+    sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                 shuffle=True, seed=args.seed,
+                                 lengths=np.array(dataset["length"]) if args.group_by_length else None)
+    loader = DataLoader(dataset, batch_sampler=sampler,
+                        collate_fn=StepCollator(collate, args.per_device_train_batch_size),
+                        num_workers=args.dataloader_num_workers, pin_memory=device.type == "cuda",
+                        persistent_workers=args.dataloader_num_workers > 0, worker_init_fn=dataloader_worker_init,
+                        # Each epoch's iterator draws a seed for its workers: from this generator, not from the
+                        # global RNG, whose stream (dropout) a resumed run must continue exactly.
+                        generator=torch.Generator())
     eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
+
+    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True)
+    # summed loss, label tokens, tokens seen since the last log: on the device, read once per logging step
+    window = torch.tensor(window, dtype=torch.float64, device=device)
     train_start = window_start = time.perf_counter()
-    total_tokens, eval_time = 0, 0.0
-    for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
-            len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
-        if step == plan.total_steps:
-            break
-        if stop.received:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
-            path = checkpoint(epoch, next_batch=index)
-            metrics.close()
-            print(f"{PROG}: stopped by {stop.name} after step {step}; checkpoint in {path}. "
-                  f"Resume with --resume_from_checkpoint auto", file=sys.stderr)
-            sys.exit(stop.exit_code)
-        micro_batches = rank_micro_batches(global_batch, 0, 1, args.per_device_train_batch_size,
-                                           args.gradient_accumulation_steps)
-        batches = [collate([dataset[i] for i in indices]) for indices in micro_batches if indices]
-        step_label_tokens = sum(batch["num_label_tokens"] for batch in batches)
-        learning_rate = scheduler.get_last_lr()[0]
-        for batch in batches:
-            summed_loss = summed_token_loss(reft_model, batch, device)
-            token_weighted_loss(summed_loss, step_label_tokens).backward()
-            window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], int(batch["attention_mask"].sum())],
-                                   dtype=torch.float64)
-        grad_norm = clip_gradients(parameters, args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        progress.update()
-        if plan.should_log(step):
-            now = time.perf_counter()
-            metrics.write(train_record(step, plan.steps_per_epoch, window.tolist(), learning_rate, grad_norm,
-                                       now - window_start, now - train_start), progress)
-            total_tokens += int(window[2])
-            window.zero_()
-            window_start = time.perf_counter()
-        if plan.should_evaluate(step, end_of_epoch):
-            eval_start = time.perf_counter()
-            totals = evaluate(reft_model, eval_dataset, eval_plan, collate, device)
-            seconds = time.perf_counter() - eval_start
-            metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset), seconds),
-                          progress)
-            window_start += seconds  # tokens/s counts training time only
-            eval_time += seconds
-        if plan.should_save(step, end_of_epoch, args.save_strategy):
-            checkpoint(epoch, next_batch=index + 1)
+    total_tokens, eval_time, epoch = 0, 0.0, start_epoch
+    while step < plan.total_steps:
+        sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
+        sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
+        for index, micro_batches in enumerate(loader, start=sampler.start):
+            end_of_epoch = index == len(sampler.global_batches) - 1
+            if stop.received:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
+                path = checkpoint(epoch, next_batch=index)
+                metrics.close()
+                print(f"{PROG}: stopped by {stop.name} after step {step}; checkpoint in {path}. "
+                      f"Resume with --resume_from_checkpoint auto", file=sys.stderr)
+                sys.exit(stop.exit_code)
+            step_label_tokens = sum(batch["num_label_tokens"] for batch in micro_batches)
+            learning_rate = scheduler.get_last_lr()[0]
+            for batch in micro_batches:
+                summed_loss = summed_token_loss(reft_model, batch, device)
+                token_weighted_loss(summed_loss, step_label_tokens).backward()
+                window[0] += summed_loss.detach()
+                window[1] += batch["num_label_tokens"]
+                window[2] += batch["num_tokens"]
+            grad_norm = clip_gradients(parameters, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            progress.update()
+            if plan.should_log(step):
+                logged = window.tolist()  # the host waits for the device here, once per logging step
+                now = time.perf_counter()
+                metrics.write(train_record(step, plan.steps_per_epoch, logged, learning_rate, float(grad_norm),
+                                           now - window_start, now - train_start), progress)
+                total_tokens += int(logged[2])
+                window.zero_()
+                window_start = time.perf_counter()
+            if plan.should_evaluate(step, end_of_epoch):
+                eval_start = time.perf_counter()
+                totals = evaluate(reft_model, eval_dataset, eval_plan, collate, device)
+                seconds = time.perf_counter() - eval_start
+                metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset), seconds),
+                              progress)
+                window_start += seconds  # tokens/s counts training time only
+                eval_time += seconds
+            if plan.should_save(step, end_of_epoch, args.save_strategy):
+                checkpoint(epoch, next_batch=index + 1)
+            if step == plan.total_steps:
+                break
+        epoch += 1
     progress.close()
     train_time = time.perf_counter() - train_start - eval_time
 

@@ -71,9 +71,10 @@ def run(args, device, backend: str, started: float) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from alpaca.args import parse_position
+    from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
         load_checkpoint,
@@ -85,11 +86,12 @@ def run(args, device, backend: str, started: float) -> None:
     )
     from alpaca.data import (
         Collator,
+        GlobalBatchSampler,
+        StepCollator,
+        dataloader_worker_init,
         eval_batches,
-        iterate_global_batches,
         load_splits,
         prepare_dataset,
-        rank_micro_batches,
     )
     from alpaca.distributed import (
         average_gradients,
@@ -121,6 +123,7 @@ def run(args, device, backend: str, started: float) -> None:
     if not is_main:  # other ranks print errors only
         quiet_non_main_rank()
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
+    resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
     # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
     resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
@@ -147,7 +150,7 @@ def run(args, device, backend: str, started: float) -> None:
                                   args.intervention)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
-    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers)
+    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
     parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
 
     # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
@@ -208,89 +211,104 @@ def run(args, device, backend: str, started: float) -> None:
             num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit),
             participate=is_main, device=device)
 
-    # -- train ------------------------------------------------------------------------------------
-    # A rank whose share of a (partial) global batch is empty still runs its last micro-step on
-    # this batch with zero weight: DDP's gradient all-reduce needs every rank.
+    # -- data: each rank's share of each global batch, one item per optimizer step, collated in workers ------
+    sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                 num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
+                                 lengths=np.array(dataset["length"]) if args.group_by_length else None)
+    loader = DataLoader(dataset, batch_sampler=sampler,
+                        collate_fn=StepCollator(collate, args.per_device_train_batch_size),
+                        num_workers=args.dataloader_num_workers, pin_memory=device.type == "cuda",
+                        persistent_workers=args.dataloader_num_workers > 0, worker_init_fn=dataloader_worker_init,
+                        # Each epoch's iterator draws a seed for its workers: from this generator, not from the
+                        # global RNG, whose stream (dropout) a resumed run must continue exactly.
+                        generator=torch.Generator())
+    # What a rank whose share of a (partial) global batch falls short of its micro-steps runs, at zero weight.
     placeholder = collate([dataset[0]])
-    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
-                    disable=not is_main)
-    window = torch.tensor(window, dtype=torch.float64, device=device)  # loss sum, label tokens, tokens seen
-    rank_tokens = 0
-    dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
-    lengths = np.array(dataset["length"]) if args.group_by_length else None
     # Each rank evaluates every world_size-th batch; under FSDP all ranks run as many forwards.
     eval_plan = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
                  if eval_dataset else [])
     eval_forwards = -(-len(eval_plan) // world_size) if args.fsdp else None
-    eval_time = 0.0
+    # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
+    host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
+
+    # -- train ------------------------------------------------------------------------------------
+    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
+                    disable=not is_main)
+    # loss sum, label tokens, tokens seen: on the device, read once per logging step
+    window = torch.tensor(window, dtype=torch.float64, device=device)
+    rank_tokens, eval_time, epoch = 0, 0.0, start_epoch
+    dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
     train_start = window_start = time.perf_counter()
-    for epoch, index, global_batch, end_of_epoch in iterate_global_batches(
-            len(dataset), plan.global_batch_size, args.seed, start_epoch, start_batch, lengths):
-        if step == plan.total_steps:
-            break
-        micro_batches = rank_micro_batches(global_batch, rank, world_size, args.per_device_train_batch_size,
-                                           args.gradient_accumulation_steps)
-        batches = [collate([dataset[i] for i in indices]) if indices else None for indices in micro_batches]
-        # One all-reduce gives the step's label tokens and whether any rank was asked to stop.
-        agreed = torch.tensor([sum(b["num_label_tokens"] for b in batches if b), stop.received is not None],
-                              device=device)
-        dist.all_reduce(agreed)
-        step_label_tokens, stopping = agreed.tolist()
-        if stopping:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
-            path = checkpoint(epoch, next_batch=index)
-            if is_main:
-                metrics.close()
-                print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; "
-                      f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
-            sys.exit(stop.exit_code if stop.received else 1)
-        learning_rate = scheduler.get_last_lr()[0]
-        for micro_step, batch in enumerate(batches):
-            last = micro_step == len(batches) - 1
-            # An empty micro-batch is skipped, except the last (DDP's all-reduce) and under FSDP, whose every
-            # forward all-gathers the base's shards: ranks must run as many forwards, or they hang.
-            if batch is None and not last and not args.fsdp:
-                continue
-            # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
-            with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():
-                summed_loss = summed_token_loss(train_model, batch or placeholder, device)
-                if batch is None:
-                    summed_loss = summed_loss * 0.0
-                token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
-            if batch is not None:
-                seen = int(batch["attention_mask"].sum())
-                window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
-                                       dtype=torch.float64, device=device)
-                rank_tokens += seen
-        if args.fsdp:
-            average_gradients(parameters, world_size)
-        grad_norm = clip_gradients(parameters, args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        progress.update()
-        if plan.should_log(step):
-            logged = window.clone()
-            dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
-            if is_main:
-                now = time.perf_counter()
-                metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate, grad_norm,
-                                           now - window_start, now - train_start), progress)
-            window.zero_()
-            window_start = time.perf_counter()
-        if plan.should_evaluate(step, end_of_epoch):
-            eval_start = time.perf_counter()
-            totals = evaluate(reft_model, eval_dataset, eval_plan[rank::world_size], collate, device,
-                              eval_forwards)
-            dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
-            seconds = time.perf_counter() - eval_start
-            if is_main:
-                metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset),
-                                          seconds), progress)
-            window_start += seconds  # tokens/s counts training time only
-            eval_time += seconds
-        if plan.should_save(step, end_of_epoch, args.save_strategy):
-            checkpoint(epoch, next_batch=index + 1)
+    while step < plan.total_steps:
+        sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
+        sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
+        for index, micro_batches in enumerate(loader, start=sampler.start):
+            end_of_epoch = index == len(sampler.global_batches) - 1
+            # One all-reduce gives the step's label tokens (counted on the host by the collator) and whether
+            # any rank was asked to stop.
+            agreed = torch.tensor([sum(batch["num_label_tokens"] for batch in micro_batches),
+                                   stop.received is not None])
+            dist.all_reduce(agreed, group=host_group)
+            step_label_tokens, stopping = agreed.tolist()
+            if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
+                path = checkpoint(epoch, next_batch=index)
+                if is_main:
+                    metrics.close()
+                    print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; "
+                          f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
+                sys.exit(stop.exit_code if stop.received else 1)
+            learning_rate = scheduler.get_last_lr()[0]
+            # A short share runs zero-weight placeholders: one, last, under DDP (its gradient all-reduce needs
+            # every rank); every missing one under FSDP, whose forwards all-gather the base's shards.
+            missing = args.gradient_accumulation_steps - len(micro_batches)
+            if missing:
+                micro_batches = [*micro_batches, *[None] * (missing if args.fsdp else 1)]
+            for micro_step, batch in enumerate(micro_batches):
+                last = micro_step == len(micro_batches) - 1
+                # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
+                with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():
+                    summed_loss = summed_token_loss(train_model, batch or placeholder, device)
+                    if batch is None:
+                        summed_loss = summed_loss * 0.0
+                    token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
+                if batch is not None:
+                    window[0] += summed_loss.detach()
+                    window[1] += batch["num_label_tokens"]
+                    window[2] += batch["num_tokens"]
+                    rank_tokens += batch["num_tokens"]
+            if args.fsdp:
+                average_gradients(parameters, world_size)
+            grad_norm = clip_gradients(parameters, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            progress.update()
+            if plan.should_log(step):
+                logged = window.clone()
+                dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
+                if is_main:
+                    now = time.perf_counter()
+                    metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate,
+                                               float(grad_norm), now - window_start, now - train_start), progress)
+                window.zero_()
+                window_start = time.perf_counter()
+            if plan.should_evaluate(step, end_of_epoch):
+                eval_start = time.perf_counter()
+                totals = evaluate(reft_model, eval_dataset, eval_plan[rank::world_size], collate, device,
+                                  eval_forwards)
+                dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
+                seconds = time.perf_counter() - eval_start
+                if is_main:
+                    metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset),
+                                              seconds), progress)
+                window_start += seconds  # tokens/s counts training time only
+                eval_time += seconds
+            if plan.should_save(step, end_of_epoch, args.save_strategy):
+                checkpoint(epoch, next_batch=index + 1)
+            if step == plan.total_steps:
+                break
+        epoch += 1
     progress.close()
     train_time = time.perf_counter() - train_start - eval_time
 

@@ -161,6 +161,11 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,
          help="batch examples of similar length together (less padding); still seeded and exact across "
               "process counts. 'false' for uniformly random batches")
+    flag("--pad_to_multiple_of", type=int, default=None,
+         help="pad each micro-batch to a multiple of N tokens, so a run has at most model_max_length / N shapes "
+              "(GPU kernels cache a plan per shape); default: 64 on CUDA, 1 (no rounding) on CPU")
+    flag("--dataloader_num_workers", type=int, default=None,
+         help="DataLoader worker processes that collate batches ahead of the step; default: 2 on CUDA, 0 on CPU")
 
     group = parser.add_argument_group("intervention")
     flag = group.add_argument
@@ -244,6 +249,10 @@ def validate(args: argparse.Namespace) -> None:
     for name in ("rank", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of <= 0:
+        raise UsageError(f"--pad_to_multiple_of must be a positive integer, got {args.pad_to_multiple_of}")
+    if args.dataloader_num_workers is not None and args.dataloader_num_workers < 0:
+        raise UsageError(f"--dataloader_num_workers must be 0 or more, got {args.dataloader_num_workers}")
     if args.max_n_train_example is not None and args.max_n_train_example <= 0:
         raise UsageError(f"--max_n_train_example must be positive, got {args.max_n_train_example}")
     if args.model_max_length < 2:
@@ -296,6 +305,19 @@ def validate_eval(args: argparse.Namespace) -> None:
                          "or --eval_split_ratio 0.05")
     if args.eval_steps is not None and args.eval_steps <= 0:
         raise UsageError(f"--eval_steps must be positive, got {args.eval_steps}")
+
+
+def resolve_device_defaults(args: argparse.Namespace, device_type: str) -> None:
+    """Defaults that depend on the device: on a GPU, bounded shapes and collation in worker processes; on a CPU
+    neither pays (padding is compute, workers take the cores the step uses; README, Performance)."""
+    on_cuda = device_type == "cuda"
+    if args.pad_to_multiple_of is None:
+        # cuDNN's attention builds a plan per input shape; with no mask (alpaca.loss.token_losses) SDPA may also
+        # pick flash. Bounding the shapes was chosen over taking cuDNN out of SDPA's backends, without a GPU
+        # measurement yet; benchmarks/gpu_check.sh measures 64 against unbounded (1), to decide.
+        args.pad_to_multiple_of = 64 if on_cuda else 1
+    if args.dataloader_num_workers is None:
+        args.dataloader_num_workers = 2 if on_cuda else 0
 
 
 def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False) -> argparse.Namespace:

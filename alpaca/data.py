@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from torch.utils.data import Sampler
 
 from alpaca.args import UsageError, cache_root
 
@@ -234,17 +235,24 @@ def intervention_locations(
 
 @dataclass
 class Collator:
-    """Right-pads a micro-batch and builds labels (prompt and padding masked) and intervention locations."""
+    """Right-pads a micro-batch and builds labels (prompt and padding masked) and intervention locations.
+
+    With `pad_to_multiple_of` N the padded length is rounded up to a multiple of N: a run then sees at most
+    model_max_length / N distinct shapes, so shape-keyed caches (cuDNN attention plans, allocator blocks)
+    are built once per length instead of once per step. Padding never reaches the loss (see `summed_token_loss`).
+    """
 
     pad_token_id: int
     position: tuple[int, int]
     share_weights: bool
     num_layers: int
+    pad_to_multiple_of: int = 1
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        width = max(len(example["input_ids"]) for example in examples)
+        longest = max(len(example["input_ids"]) for example in examples)
+        width = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
         labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
@@ -264,17 +272,37 @@ class Collator:
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
-            "intervention_locations": locations,
+            # As tensors, built here (in a DataLoader worker) rather than by pyvene from Python lists in
+            # every hook of every forward: see `token_losses`.
+            "intervention_locations": [torch.tensor(window) for window in locations],
             "min_prompt_length": min(example["prompt_length"] for example in examples),
+            # Counted here, on the host, so that the training step never reads them back from the device.
             "num_label_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+            "num_tokens": sum(len(example["input_ids"]) for example in examples),
         }
+
+
+@dataclass
+class StepCollator:
+    """A DataLoader's collate_fn for `GlobalBatchSampler`: this rank's share of one global batch (its
+    micro-batches, concatenated) -> the list of its collated micro-batches, empty for an empty share.
+
+    Only the last micro-batch of a share can be partial (see `rank_micro_batches`), so cutting the share
+    every `per_device_batch_size` examples gives back exactly the rank's micro-batches."""
+
+    collate: Collator
+    per_device_batch_size: int
+
+    def __call__(self, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        size = self.per_device_batch_size
+        return [self.collate(examples[start : start + size]) for start in range(0, len(examples), size)]
 
 
 MEGABATCH = 50  # global batches per length-sorted group, as in HF's LengthGroupedSampler
 
 
 def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: int,
-                   lengths: np.ndarray | None = None) -> list[list[int]]:
+                   lengths: np.ndarray | None = None, shuffle: bool = True) -> list[list[int]]:
     """The epoch's example order, cut into global batches (one may be partial).
 
     It depends only on (seed, epoch, the examples' lengths, global batch size): one process and N
@@ -286,9 +314,10 @@ def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: 
     whose order is then shuffled. A micro-batch is padded to its longest example, so this removes most
     padding. The trade-off: a step's examples are no longer a uniform sample of lengths, so the loss
     varies more from step to step (long and short answers have different per-token losses).
+    Without `shuffle`, the dataset's order (and, with `lengths`, the megabatches' order).
     """
     rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(num_examples)
+    order = rng.permutation(num_examples) if shuffle else np.arange(num_examples)
     if lengths is None:
         return [order[i : i + global_batch_size].tolist() for i in range(0, num_examples, global_batch_size)]
     span = global_batch_size * MEGABATCH
@@ -297,20 +326,50 @@ def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: 
         megabatch = order[start : start + span]
         megabatch = megabatch[np.argsort(-lengths[megabatch], kind="stable")]
         batches += [megabatch[i : i + global_batch_size].tolist() for i in range(0, len(megabatch), global_batch_size)]
-    return [batches[i] for i in rng.permutation(len(batches))]
+    return [batches[i] for i in rng.permutation(len(batches))] if shuffle else batches
 
 
-def iterate_global_batches(num_examples: int, global_batch_size: int, seed: int, start_epoch: int = 0,
-                           start_batch: int = 0, lengths: np.ndarray | None = None):
-    """Endless walk through the plan from (epoch, batch index) on: yields (epoch, index, global batch, last
-    of its epoch?). Resuming at a position gives exactly the batches an uninterrupted run sees next."""
-    epoch = start_epoch
-    while True:
-        batches = global_batches(num_examples, global_batch_size, seed, epoch, lengths)
-        first = start_batch if epoch == start_epoch else 0
-        for index in range(first, len(batches)):
-            yield epoch, index, batches[index], index == len(batches) - 1
-        epoch += 1
+class GlobalBatchSampler(Sampler[list[int]]):
+    """The global batch plan as a DataLoader `batch_sampler`, with DistributedSampler's interface
+    (num_replicas, rank, shuffle, seed, set_epoch) and a resume position (`set_start`).
+
+    Each item is this rank's share of one global batch, i.e. of one optimizer step: its micro-batches of
+    `rank_micro_batches`, concatenated (`StepCollator` cuts them again); an empty share is an empty list,
+    so every rank yields one item per step. The plan is `global_batches`: the same for any number of
+    replicas with the same global batch (per_device x num_replicas x accumulation).
+    """
+
+    def __init__(self, num_examples: int, per_device_batch_size: int, accumulation_steps: int = 1,
+                 num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
+                 lengths: np.ndarray | None = None) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        self.num_examples, self.per_device_batch_size = num_examples, per_device_batch_size
+        self.accumulation_steps, self.num_replicas, self.rank = accumulation_steps, num_replicas, rank
+        self.shuffle, self.seed, self.lengths = shuffle, seed, lengths
+        self.global_batch_size = per_device_batch_size * num_replicas * accumulation_steps
+        self.start = 0
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new order for each epoch, as with DistributedSampler; call it before each epoch's iteration."""
+        self.epoch = epoch
+        self.global_batches = global_batches(self.num_examples, self.global_batch_size, self.seed, epoch,
+                                             self.lengths, self.shuffle)
+
+    def set_start(self, batch_index: int) -> None:
+        """Iterate from this global batch of the epoch on: where a resumed run goes on."""
+        self.start = batch_index
+
+    def __len__(self) -> int:
+        """Items (optimizer steps) left in this epoch from the start position."""
+        return max(0, len(self.global_batches) - self.start)
+
+    def __iter__(self):
+        for global_batch in self.global_batches[self.start :]:
+            micro_batches = rank_micro_batches(global_batch, self.rank, self.num_replicas,
+                                               self.per_device_batch_size, self.accumulation_steps)
+            yield [index for micro_batch in micro_batches for index in micro_batch]
 
 
 def rank_micro_batches(
@@ -339,3 +398,14 @@ def eval_batches(lengths: np.ndarray, batch_size: int) -> list[list[int]]:
 
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     return math.ceil(num_examples / global_batch_size)
+
+
+def dataloader_worker_init(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM and SIGINT. A cluster or a terminal signals every process of the
+    job, workers included; a worker dying of it would fail the step that waits for its batch before
+    the main process, which handles the signal (checkpoint.StopSignal), could checkpoint. The main
+    process ends its workers itself, and a worker whose parent is gone exits on its own."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

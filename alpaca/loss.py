@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from alpaca.data import IGNORE_INDEX
 
+# torch.tensor(tensor) in pyvene's hooks warns that clone() is the recommended copy; the copy is what we want.
+warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
 
-def summed_token_loss(reft_model, batch: dict, device: torch.device) -> torch.Tensor:
-    """Sum (not mean) of the per-token losses of one micro-batch, with the interventions applied.
+
+def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: bool = False) -> torch.Tensor:
+    """Per-token losses of one micro-batch with the interventions applied: [batch, positions from the first
+    label on], 0 where there is no label.
+
+    No attention mask by default. With right padding and causal attention a real token attends to real
+    tokens only, and a padded position carries no label and precedes no real token, so the mask changes
+    no loss that is summed (tests/test_loss.py checks every label's loss and the gradients). Without it
+    SDPA runs plain causal attention: no mask to build, and flash attention is eligible.
 
     Only positions that predict a label need the vocabulary projection: `logits_to_keep` skips the
     prompt prefix shared by the whole micro-batch (the LM head is ~a fifth of a small model's FLOPs).
@@ -19,23 +30,31 @@ def summed_token_loss(reft_model, batch: dict, device: torch.device) -> torch.Te
     # Position t predicts label t + 1; the first label sits at the shortest prompt's length.
     first_predicting = batch["min_prompt_length"] - 1
     keep = input_ids.shape[1] - first_predicting
-    _, outputs = reft_model(
-        {
-            "input_ids": input_ids,
-            "attention_mask": batch["attention_mask"].to(device, non_blocking=True),
-            "logits_to_keep": keep,
-            # No KV cache in training: it is never read, and an activation-checkpointed layer recomputed in
-            # the backward pass would append its keys to the cache a second time.
-            "use_cache": False,
-        },
-        unit_locations={"sources->base": (None, batch["intervention_locations"])},
-    )
+    inputs = {
+        "input_ids": input_ids,
+        "logits_to_keep": keep,
+        # No KV cache in training: it is never read, and an activation-checkpointed layer recomputed in
+        # the backward pass would append its keys to the cache a second time.
+        "use_cache": False,
+    }
+    if attention_mask:
+        inputs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+    # pyvene turns each intervention's locations into an index tensor on the model's device in each hook,
+    # with torch.tensor(): from Python lists that is a blocking host-to-device copy per hook; from a tensor
+    # already there, a copy on the device. So they go there once per micro-batch, asynchronously.
+    locations = [torch.as_tensor(window).to(device, non_blocking=True) for window in batch["intervention_locations"]]
+    _, outputs = reft_model(inputs, unit_locations={"sources->base": (None, locations)})
     logits = outputs.logits[:, :-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # cross-entropy of bf16 logits in fp32
     targets = labels[:, first_predicting + 1 :]
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+    return losses.view(targets.shape)
+
+
+def summed_token_loss(reft_model, batch: dict, device: torch.device) -> torch.Tensor:
+    """Sum (not mean) of the per-token losses of one micro-batch, with the interventions applied."""
+    return token_losses(reft_model, batch, device).sum()
 
 
 def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world_size: int = 1) -> torch.Tensor:

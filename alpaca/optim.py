@@ -69,6 +69,7 @@ def build_optimizer(reft_model, args: argparse.Namespace, plan: StepPlan):
     return optimizer, scheduler
 
 
-def clip_gradients(parameters: list[torch.Tensor], max_grad_norm: float) -> float:
-    """Clip to --max_grad_norm (0 disables) and return the norm before clipping."""
-    return float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm > 0 else math.inf))
+def clip_gradients(parameters: list[torch.Tensor], max_grad_norm: float) -> torch.Tensor:
+    """Clip to --max_grad_norm (0 disables) and return the norm before clipping, on the device: reading it
+    would make the host wait for the step, so it is read only when logged."""
+    return torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm > 0 else math.inf)

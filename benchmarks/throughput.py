@@ -1,22 +1,29 @@
-"""Training throughput: our batching against the HF-Trainer/pyreft way, and against the machine's matmul roof.
+"""Training throughput: our training step against the HF-Trainer/pyreft way, at several batch sizes.
 
-    python benchmarks/throughput.py                    # SmolLM2, ../shared/data/alpaca_en_demo.json if present
+    python benchmarks/throughput.py                         # SmolLM2, ../shared/data/alpaca_en_demo.json if present
+    python benchmarks/throughput.py --batch_sizes 8,32,64 --model_shape llama-3.2-1b   # on a GPU
     python benchmarks/throughput.py --steps 12 --nproc 2
 
-Two variants do the same work (N optimizer steps of B examples, same model and interventions), each in its
-own process so that its peak memory is its own:
-  ours      length-grouped batches (--group_by_length) and the LM head only from the first label position
-  baseline  uniformly random batches padded to their longest example and full-vocabulary logits at every
-            position, as HF's Trainer with pyreft's collator does
-It prints non-pad tokens/s, their ratio, the padding fraction and peak memory; then this machine's dense
+Two variants do the same work (N optimizer steps of B examples, same model and interventions), each batch
+size of each in its own process so that its peak memory is its own:
+  ours      the scripts' step: GlobalBatchSampler + DataLoader (workers and pinned memory per device, as
+            the scripts default), length-grouped batches padded to --pad_to_multiple_of, no attention mask,
+            the LM head only from the first label position, no host sync inside the step
+  baseline  uniformly random batches padded to their longest example, the attention mask and
+            full-vocabulary logits at every position, collated in the loop, as HF's Trainer with pyreft's
+            collator does
+For each batch size it prints non-pad tokens/s of both, their ratio, the padding fraction, peak memory,
+and host and device milliseconds per step (torch.profiler, 3 extra steps); then this machine's dense
 matmul FLOP/s and the achieved training FLOP/s (4 x parameters x tokens for a frozen base, plus 6 x
-intervention parameters x intervened positions) as a fraction of it. --nproc N also runs train_multigpu.py
-on 1 and N processes and prints the scaling efficiency.
+intervention parameters x intervened positions) as a fraction of it. --model_shape llama-3.2-1b builds
+that model's configuration with random weights (same cost per token as the real one; needs no download).
+--nproc N also runs train_multigpu.py on 1 and N processes and prints the scaling efficiency.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -39,7 +46,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data_path", default=str(SHARED_DATA if SHARED_DATA.exists()
                                                    else REPO / "examples" / "data" / "alpaca_sample.json"))
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per variant (the first is warm-up)")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--batch_sizes", default=None,
+                        help="per-device batch sizes, comma-separated; default: 8,32,64 on CUDA, 8 on CPU")
+    parser.add_argument("--model_shape", choices=["pretrained", "llama-3.2-1b"], default="pretrained",
+                        help="pretrained: --model_name_or_path as is; llama-3.2-1b: that configuration with random "
+                             "weights and --model_name_or_path's tokenizer")
+    parser.add_argument("--pad_to_multiple_of", type=int, default=None, help="ours; default: the scripts' default")
+    parser.add_argument("--dataloader_num_workers", type=int, default=None, help="ours; default: the scripts'")
     parser.add_argument("--layers", default="8;19")
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--model_max_length", type=int, default=512)
@@ -48,84 +61,158 @@ def parse_args() -> argparse.Namespace:
                         help="after the timed steps, profile 3 more of each variant and print its top operators")
     parser.add_argument("--peak_flops", type=float, default=None, help="the device's peak FLOP/s, for MFU")
     parser.add_argument("--variant", choices=["ours", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("--per_device_train_batch_size", type=int, help=argparse.SUPPRESS)  # the variant's
     return parser.parse_args()
 
 
+LLAMA_3_2_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                   tie_word_embeddings=True, rms_norm_eps=1e-5)
+
+
+def load_model(args: argparse.Namespace, device):
+    """The base model and tokenizer: pretrained, or Llama-3.2-1B's shapes with random weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from alpaca.model import load_base_model, resolve_dtype, resolve_model_path
+
+    dtype = resolve_dtype("auto", device)
+    model, tokenizer = load_base_model(resolve_model_path(args.model_name_or_path), dtype, device)
+    if args.model_shape == "llama-3.2-1b":
+        torch.manual_seed(0)
+        config = LlamaConfig(**LLAMA_3_2_1B, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        with torch.device(device):  # initialized where it runs: seconds on a GPU instead of a minute on the CPU
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.requires_grad_(False)
+        model.eval()
+    return model, tokenizer
+
+
 def run_variant(args: argparse.Namespace) -> dict:
-    """One variant, in this process: returns what it measured."""
+    """One variant at one batch size, in this process: returns what it measured."""
     import numpy as np
     import torch
+    from torch.utils.data import DataLoader
 
-    from alpaca.data import Collator, global_batches, load_records, prepare_dataset
-    from alpaca.loss import summed_token_loss, token_weighted_loss
-    from alpaca.model import (
-        build_reft_model,
-        intervention_parameters,
-        load_base_model,
-        resolve_dtype,
-        resolve_model_path,
+    from alpaca.args import resolve_device_defaults
+    from alpaca.data import (
+        Collator,
+        GlobalBatchSampler,
+        StepCollator,
+        dataloader_worker_init,
+        global_batches,
+        load_records,
+        prepare_dataset,
     )
+    from alpaca.loss import summed_token_loss, token_weighted_loss
+    from alpaca.model import build_reft_model, intervention_parameters
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, tokenizer = load_base_model(resolve_model_path(args.model_name_or_path), resolve_dtype("auto", device),
-                                       device)
-    records = load_records(args.data_path)
-    dataset = prepare_dataset(records, tokenizer, args.model_max_length)
+    resolve_device_defaults(args, device.type)
+    model, tokenizer = load_model(args, device)
+    dataset = prepare_dataset(load_records(args.data_path), tokenizer, args.model_max_length)
     torch.manual_seed(0)
     reft_model = build_reft_model(model, args.layers, (1, 1), False, args.rank)
     parameters = [p for _, p in intervention_parameters(reft_model)]
     optimizer = torch.optim.AdamW(parameters, lr=1e-3)
-    collate = Collator(tokenizer.pad_token_id, (1, 1), False, len(reft_model.interventions) // 2)
-    ours = args.variant == "ours"
-    lengths = np.array(dataset["length"]) if ours else None
-    batches = global_batches(len(dataset), args.per_device_train_batch_size, 0, 0, lengths)
+    num_layers = len(reft_model.interventions) // 2
+    batch_size, ours = args.per_device_train_batch_size, args.variant == "ours"
+    if ours:  # as train.py builds it
+        sampler = GlobalBatchSampler(len(dataset), batch_size, seed=0, lengths=np.array(dataset["length"]))
+        collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers, args.pad_to_multiple_of)
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=StepCollator(collate, batch_size),
+                            num_workers=args.dataloader_num_workers, pin_memory=device.type == "cuda",
+                            worker_init_fn=dataloader_worker_init)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    else:
+        collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers)
 
-    def train_step(indices: list[int]) -> dict:
-        batch = collate([dataset[i] for i in indices])
-        loss = (summed_token_loss if ours else baseline_summed_loss)(reft_model, batch, device)
-        token_weighted_loss(loss, batch["num_label_tokens"]).backward()
+    def epochs():
+        """Each step's micro-batches, epoch after epoch."""
+        for epoch in itertools.count():
+            if ours:
+                sampler.set_epoch(epoch)
+                yield from loader
+            else:
+                for indices in global_batches(len(dataset), batch_size, 0, epoch):
+                    yield [collate([dataset[i] for i in indices])]
+
+    steps = epochs()
+
+    def train_step(micro_batches: list[dict]) -> None:
+        if ours:
+            label_tokens = sum(batch["num_label_tokens"] for batch in micro_batches)
+            for batch in micro_batches:
+                summed_loss = summed_token_loss(reft_model, batch, device)
+                token_weighted_loss(summed_loss, label_tokens).backward()
+                loss_sum.add_(summed_loss.detach())  # on the device, as the scripts keep it
+        else:
+            batch = micro_batches[0]
+            token_weighted_loss(baseline_summed_loss(reft_model, batch, device), batch["num_label_tokens"]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return batch
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     tokens = padded = positions = 0
-    for step, indices in enumerate(batches[: args.steps]):
+    for step in range(args.steps):
+        micro_batches = next(steps)
         if step == 1:  # the first step is warm-up (allocator, kernels)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize()
             started = time.perf_counter()
-        batch = train_step(indices)
+        train_step(micro_batches)
         if step >= 1:
-            tokens += int(batch["attention_mask"].sum())
-            padded += batch["attention_mask"].numel()
-            positions += sum(len(window[0]) for window in batch["intervention_locations"]) * len(indices)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+            tokens += sum(batch["num_tokens"] for batch in micro_batches)
+            padded += sum(batch["input_ids"].numel() for batch in micro_batches)
+            positions += sum(sum(len(window[0]) for window in batch["intervention_locations"])
+                             * batch["input_ids"].shape[0] for batch in micro_batches)
+    synchronize()
     seconds = time.perf_counter() - started
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"  # before the profiler's own memory
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    host_ms, device_ms = profile_steps(args, train_step, steps, device)
+    base_parameters = sum(p.numel() for p in model.parameters())
+    intervention_parameters_count = sum(p.numel() for p in parameters)
+    flops = 4 * base_parameters * tokens + 6 * intervention_parameters_count / len(reft_model.interventions) * positions
+    return {"variant": args.variant, "batch_size": batch_size, "tokens": tokens, "padded_tokens": padded,
+            "seconds": seconds, "peak_bytes": peak, "flops": flops, "host_ms": host_ms, "device_ms": device_ms,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"CPU, {torch.get_num_threads()} threads"}
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as profiler:
-            for indices in batches[args.steps : args.steps + 3]:
-                train_step(indices)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        averages = profiler.key_averages()
-        print(f"--- {args.variant}: 3 steps, top operators by self CPU time", file=sys.stderr)
+
+PROFILED_STEPS = 3
+
+
+def profile_steps(args: argparse.Namespace, train_step, steps, device) -> tuple[float, float | None]:
+    """Host and device milliseconds per step over PROFILED_STEPS more steps. Host: wall time of the step on the
+    CPU (issuing work, Python, and any wait for the device); device: the kernels' own time, summed."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(PROFILED_STEPS):
+            micro_batches = next(steps)
+            with record_function("train_step"):
+                train_step(micro_batches)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    averages = profiler.key_averages()
+    host_ms = next(event.cpu_time_total for event in averages if event.key == "train_step") / 1e3 / PROFILED_STEPS
+    device_ms = (sum(event.self_device_time_total for event in averages) / 1e3 / PROFILED_STEPS
+                 if device.type == "cuda" else None)
+    if args.profile:
+        print(f"--- {args.variant}, batch {args.per_device_train_batch_size}: {PROFILED_STEPS} steps, top operators "
+              "by self CPU time", file=sys.stderr)
         print(averages.table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
         if device.type == "cuda":
             print(f"--- {args.variant}: top operators by self device time", file=sys.stderr)
             print(averages.table(sort_by="self_device_time_total", row_limit=12), file=sys.stderr)
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    base_parameters = sum(p.numel() for p in model.parameters())
-    intervention_parameters_count = sum(p.numel() for p in parameters)
-    flops = 4 * base_parameters * tokens + 6 * intervention_parameters_count / len(reft_model.interventions) * positions
-    return {"variant": args.variant, "tokens": tokens, "padded_tokens": padded, "seconds": seconds,
-            "peak_bytes": peak, "flops": flops, "device": torch.cuda.get_device_name(device)
-            if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"}
+    return host_ms, device_ms
 
 
 def baseline_summed_loss(reft_model, batch: dict, device):
@@ -183,34 +270,42 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
-    print(f"model {args.model_name_or_path} | data {args.data_path} | {args.steps} steps of "
-          f"{args.per_device_train_batch_size} examples (the first is warm-up) | layers {args.layers}, "
-          f"rank {args.rank}")
+    import torch
+
+    batch_sizes = [int(size) for size in (args.batch_sizes or ("8,32,64" if torch.cuda.is_available() else "8"))
+                   .split(",")]
+    print(f"model {args.model_name_or_path} ({args.model_shape}) | data {args.data_path} | {args.steps} steps per "
+          f"batch size (the first is warm-up), then {PROFILED_STEPS} profiled | layers {args.layers}, rank {args.rank}")
     results = {}
-    for variant in ("baseline", "ours"):
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant],
-                               capture_output=True, text=True)
-        if child.returncode:
-            sys.exit(f"{variant} failed:\n{child.stderr[-3000:]}")
-        results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
-        if args.profile:
-            print(child.stderr[child.stderr.find(f"--- {variant}"):])
+    for batch_size in batch_sizes:
+        for variant in ("baseline", "ours"):
+            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant,
+                                    "--per_device_train_batch_size", str(batch_size)], capture_output=True, text=True)
+            if child.returncode:
+                sys.exit(f"{variant} at batch {batch_size} failed:\n{child.stderr[-3000:]}")
+            results[batch_size, variant] = json.loads(child.stdout.strip().splitlines()[-1])
+            if args.profile:
+                print(child.stderr[child.stderr.find(f"--- {variant}"):])
     roof, roof_shape = matmul_flops()
-    peak = args.peak_flops or next((flops for name, flops in GPU_PEAK_FLOPS.items()
-                                    if name in results["ours"]["device"]), None)
-    print(f"device: {results['ours']['device']}; dense matmul ({roof_shape}): {roof / 1e9:.1f} GFLOP/s")
-    print(f"{'variant':<10} {'non-pad tok/s':>14} {'padding':>8} {'peak mem':>10} {'train GFLOP/s':>14} "
-          f"{'of matmul':>10}" + (f" {'MFU':>6}" if peak else ""))
-    for name, r in results.items():
-        rate = r["tokens"] / r["seconds"]
-        achieved = r["flops"] / r["seconds"]
-        print(f"{name:<10} {rate:>14.1f} {1 - r['tokens'] / r['padded_tokens']:>8.1%} "
-              f"{r['peak_bytes'] / 2**30:>8.2f} GiB {achieved / 1e9:>14.1f} {achieved / roof:>10.1%}"
-              + (f" {achieved / peak:>6.1%}" if peak else ""))
-    ratio = (results["ours"]["tokens"] / results["ours"]["seconds"]) / (
-        results["baseline"]["tokens"] / results["baseline"]["seconds"])
-    print(f"ours / baseline non-pad tokens/s: {ratio:.2f}x")
+    device = results[batch_sizes[0], "ours"]["device"]
+    peak = args.peak_flops or next((flops for name, flops in GPU_PEAK_FLOPS.items() if name in device), None)
+    print(f"device: {device}; dense matmul ({roof_shape}): {roof / 1e9:.1f} GFLOP/s")
+    print(f"{'batch':>5} {'variant':<9} {'non-pad tok/s':>14} {'ratio':>6} {'padding':>8} {'peak mem':>10} "
+          f"{'host ms':>8} {'device ms':>9} {'GFLOP/s':>8} {'of matmul':>9}" + (f" {'MFU':>6}" if peak else ""))
+    for batch_size in batch_sizes:
+        rates = {variant: results[batch_size, variant]["tokens"] / results[batch_size, variant]["seconds"]
+                 for variant in ("baseline", "ours")}
+        for variant in ("baseline", "ours"):
+            r = results[batch_size, variant]
+            achieved = r["flops"] / r["seconds"]
+            ratio = f"{rates['ours'] / rates['baseline']:.2f}x" if variant == "ours" else ""
+            device_ms = f"{r['device_ms']:.1f}" if r["device_ms"] is not None else "-"
+            print(f"{batch_size:>5} {variant:<9} {rates[variant]:>14.1f} {ratio:>6} "
+                  f"{1 - r['tokens'] / r['padded_tokens']:>8.1%} {r['peak_bytes'] / 2**30:>6.2f} GiB "
+                  f"{r['host_ms']:>8.1f} {device_ms:>9} {achieved / 1e9:>8.1f} {achieved / roof:>9.1%}"
+                  + (f" {achieved / peak:>6.1%}" if peak else ""))
     if args.nproc > 1:
+        args.per_device_train_batch_size = batch_sizes[0]
         one, many = multigpu_tokens_per_s(args, 1), multigpu_tokens_per_s(args, args.nproc)
         print(f"train_multigpu.py: 1 process {one:.1f} tok/s, {args.nproc} processes {many:.1f} tok/s; "
               f"scaling efficiency {many / (args.nproc * one):.0%} (same global batch)")

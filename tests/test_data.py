@@ -11,6 +11,9 @@ from alpaca.args import UsageError
 from alpaca.data import (
     IGNORE_INDEX,
     Collator,
+    GlobalBatchSampler,
+    StepCollator,
+    dataloader_worker_init,
     format_prompt,
     global_batches,
     intervention_locations,
@@ -135,3 +138,102 @@ def test_length_grouping_keeps_the_plan_exact_and_cuts_padding():
 
     random_batches = global_batches(1003, 8, seed=5, epoch=0)
     assert padded(grouped) < 0.65 * padded(random_batches)
+
+
+@pytest.mark.parametrize("world_size,per_device,accumulation", [(1, 2, 4), (2, 2, 2), (4, 1, 2), (2, 4, 1), (4, 2, 2)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_sampler_yields_each_ranks_micro_batches_of_the_plan(world_size, per_device, accumulation, grouped):
+    """One item per global batch on every rank, even for an empty share; StepCollator cuts it back into the
+    rank's micro-batches; the ranks' items partition the global batch; a new order each epoch."""
+    lengths = np.random.default_rng(1).integers(5, 90, size=21) if grouped else None
+    global_batch_size = world_size * per_device * accumulation
+    samplers = [GlobalBatchSampler(21, per_device, accumulation, num_replicas=world_size, rank=rank, seed=7,
+                                   lengths=lengths) for rank in range(world_size)]
+    cut = StepCollator(collate=lambda examples: examples, per_device_batch_size=per_device)
+    orders = []
+    for epoch in range(2):
+        plan = global_batches(21, global_batch_size, seed=7, epoch=epoch, lengths=lengths)
+        items = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            items.append(list(sampler))
+            assert len(sampler) == len(items[-1]) == len(plan)
+        for index, global_batch in enumerate(plan):
+            for rank in range(world_size):
+                expected = rank_micro_batches(global_batch, rank, world_size, per_device, accumulation)
+                assert cut(items[rank][index]) == [micro for micro in expected if micro]
+            assert sorted(i for rank_items in items for i in rank_items[index]) == sorted(global_batch)
+        orders.append(items)
+    assert orders[0] != orders[1]
+    if global_batch_size == 16:  # 21 examples: the partial global batch leaves some rank an empty share
+        assert any(not item for rank_items in orders[0] for item in rank_items)
+
+
+def test_sampler_resumes_at_a_global_batch():
+    sampler = GlobalBatchSampler(21, 2, 2, num_replicas=2, rank=1, seed=3)
+    sampler.set_epoch(4)
+    whole = list(sampler)
+    sampler.set_start(2)
+    assert list(sampler) == whole[2:] and len(sampler) == len(whole) - 2
+    sampler.set_start(len(whole))  # saved at the end of an epoch: nothing left in it
+    assert list(sampler) == [] and len(sampler) == 0
+
+
+def test_sampler_without_shuffle_keeps_the_dataset_order():
+    sampler = GlobalBatchSampler(7, 2, 1, num_replicas=2, rank=0, shuffle=False)
+    assert list(sampler) == [[0, 1], [4, 5]]
+    with pytest.raises(ValueError, match="rank 2"):
+        GlobalBatchSampler(7, 2, 1, num_replicas=2, rank=2)
+
+
+def test_pad_to_multiple_of_rounds_the_width_up_and_changes_no_label(tokenizer, tiny_data):
+    dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
+    examples = [dataset[i] for i in range(3)]
+    plain = Collator(tokenizer.pad_token_id, (1, 1), False, 4)(examples)
+    rounded = Collator(tokenizer.pad_token_id, (1, 1), False, 4, pad_to_multiple_of=16)(examples)
+    width = plain["input_ids"].shape[1]
+    assert rounded["input_ids"].shape[1] == -(-width // 16) * 16 > width
+    assert torch.equal(rounded["labels"][:, :width], plain["labels"])
+    assert (rounded["labels"][:, width:] == IGNORE_INDEX).all() and (rounded["attention_mask"][:, width:] == 0).all()
+    assert rounded["num_label_tokens"] == plain["num_label_tokens"]
+    assert rounded["num_tokens"] == plain["num_tokens"] == int(plain["attention_mask"].sum())
+
+
+def test_dataloader_workers_give_the_same_steps_and_survive_a_stop_signal(tokenizer, tiny_data):
+    """What the scripts build: 2 persistent workers give the batches collated in-process, epoch after epoch.
+    SIGTERM to a worker (a cluster signals every process) leaves it running: the main process decides."""
+    import os
+    import signal
+
+    from test_resume import child_pids
+    from torch.utils.data import DataLoader
+
+    dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
+    collate = StepCollator(Collator(tokenizer.pad_token_id, (1, 1), False, 4, pad_to_multiple_of=8), 2)
+
+    def steps(num_workers):
+        sampler = GlobalBatchSampler(len(dataset), 2, 2, seed=1, lengths=np.array(dataset["length"]))
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                            persistent_workers=num_workers > 0, worker_init_fn=dataloader_worker_init)
+        seen = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for index, micro_batches in enumerate(loader):
+                if num_workers and epoch == 0 and index == 0:
+                    workers = child_pids(os.getpid())
+                    assert len(workers) == num_workers
+                    os.kill(workers[0], signal.SIGTERM)
+                seen.append(micro_batches)
+        return seen
+
+    in_process, in_workers = steps(0), steps(2)
+    assert len(in_process) == len(in_workers) == 2 * 6  # 21 examples, global batch 4
+
+    def same(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+        if isinstance(a, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+    assert same(in_process, in_workers)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from alpaca.data import Collator, intervention_locations, load_records, tokenize
-from alpaca.loss import summed_token_loss, token_weighted_loss
+from alpaca.loss import summed_token_loss, token_losses, token_weighted_loss
 from alpaca.model import build_reft_model, intervention_parameters, load_base_model
 
 POSITION = (2, 2)
@@ -93,3 +93,48 @@ def test_logits_only_where_labels_exist_give_the_full_loss(setup):
     with torch.no_grad():
         assert summed_token_loss(reft_model, batch, torch.device("cpu")).item() == pytest.approx(
             summed_token_loss(reft_model, full, torch.device("cpu")).item(), rel=1e-12)
+
+
+def test_rounded_padding_changes_neither_loss_nor_gradients(setup):
+    """--pad_to_multiple_of: up to 31 more padded columns per row, the same step."""
+    reft_model, dataset, collate = setup
+    examples = [dataset[i] for i in range(5)]
+    rounded = Collator(collate.pad_token_id, POSITION, False, num_layers=2, pad_to_multiple_of=32)
+    plain_batch, rounded_batch = collate(examples), rounded(examples)
+    assert rounded_batch["input_ids"].shape[1] > plain_batch["input_ids"].shape[1]
+    scale = lambda loss, batch: token_weighted_loss(loss, batch["num_label_tokens"])  # noqa: E731
+    for expected, actual in zip(gradients(reft_model, [plain_batch], scale),
+                                gradients(reft_model, [rounded_batch], scale)):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        assert summed_token_loss(reft_model, rounded_batch, torch.device("cpu")).item() == pytest.approx(
+            summed_token_loss(reft_model, plain_batch, torch.device("cpu")).item(), rel=1e-12)
+
+
+def test_right_padding_needs_no_attention_mask(tiny_model, tiny_data):
+    """In float32, as trained: without the mask every label's loss and every gradient are those with it,
+    on a right-padded batch of very different lengths."""
+    model, tokenizer = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
+    dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
+    torch.manual_seed(0)
+    reft_model = build_reft_model(model, "1;3", POSITION, False, rank=4)
+    for intervention in reft_model.interventions.values():
+        torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
+    order = sorted(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
+    batch = Collator(tokenizer.pad_token_id, POSITION, False, num_layers=2, pad_to_multiple_of=16)(
+        [dataset[i] for i in order[:: len(order) // 5]])  # shortest to longest
+    assert (batch["attention_mask"][:-1] == 0).any(dim=1).all()  # every row but the longest is padded
+    parameters = [p for _, p in intervention_parameters(reft_model)]
+    results = []
+    for attention_mask in (True, False):
+        for parameter in parameters:
+            parameter.grad = None
+        losses = token_losses(reft_model, batch, torch.device("cpu"), attention_mask=attention_mask)
+        (losses.sum() / batch["num_label_tokens"]).backward()
+        results.append((losses.detach(), [p.grad.clone() for p in parameters]))
+    (masked, masked_grads), (unmasked, unmasked_grads) = results
+    labelled = batch["labels"][:, batch["min_prompt_length"]:] != -100
+    assert int(labelled.sum()) == batch["num_label_tokens"] and (masked[~labelled] == 0).all()
+    torch.testing.assert_close(unmasked[labelled], masked[labelled], rtol=0, atol=1e-6)
+    for expected, actual in zip(masked_grads, unmasked_grads):
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)

@@ -26,6 +26,17 @@ def test_world_size_one_is_train_py_bit_for_bit(runs):
     assert_same_run(root / "one", root / "single", exact=True)
 
 
+def test_dataloader_workers_and_rounded_padding_train_the_same_model(runs):
+    """Batches collated in 2 worker processes per rank and padded to a multiple of 16: the same steps."""
+    root, data = runs
+    result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "workers"),
+                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                          "--dataloader_num_workers", "2", "--pad_to_multiple_of", "16"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((root / "workers" / "training_args.json").read_text())["pad_to_multiple_of"] == 16
+    assert_same_run(root / "workers", root / "ddp")
+
+
 def test_only_rank_zero_prints_and_writes(runs):
     root, _ = runs
     logs = {path.parent.name + "/" + path.name: path.read_text() for path in (root / "logs").rglob("std*.log")}

@@ -142,12 +142,27 @@ def test_help_and_argument_errors_need_no_heavy_imports():
     (["--layers", "8;x"], "--layers '8;x' is malformed"),
     (["--rank", "0"], "--rank must be a positive integer"),
     (["--evaluation_strategy", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--pad_to_multiple_of", "0"], "--pad_to_multiple_of must be a positive integer"),
+    (["--dataloader_num_workers", "-1"], "--dataloader_num_workers must be 0 or more"),
 ])
 def test_usage_errors_are_one_line(flags, message):
     result = run_script(["train.py", *flags])
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_device_dependent_defaults():
+    """Bounded shapes and worker processes on CUDA, neither on CPU (README, Performance); given values stay."""
+    from alpaca.args import parse_args, resolve_device_defaults
+
+    for device_type, expected in [("cuda", (64, 2)), ("cpu", (1, 0))]:
+        args = parse_args("train.py", [])
+        resolve_device_defaults(args, device_type)
+        assert (args.pad_to_multiple_of, args.dataloader_num_workers) == expected
+    args = parse_args("train.py", ["--pad_to_multiple_of", "8", "--dataloader_num_workers", "0"])
+    resolve_device_defaults(args, "cuda")
+    assert (args.pad_to_multiple_of, args.dataloader_num_workers) == (8, 0)
 
 
 def test_train_py_refuses_torchrun():
