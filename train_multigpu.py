@@ -114,6 +114,7 @@ def run(args, device, backend: str, started: float) -> None:
     )
     from alpaca.optim import StepPlan, build_optimizer, clip_gradients
     from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
+    from alpaca.sharding import load_shards
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -131,9 +132,9 @@ def run(args, device, backend: str, started: float) -> None:
         lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
                             args.seed), participate=True, device=device)
     model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
-    # Under --fsdp the base goes to the GPU only once sharded: each GPU then holds 1/world_size of it.
+    # Under --fsdp the base is built empty (meta device); once sharded, each rank reads only its shards.
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
-                                       torch.device("cpu") if args.fsdp else device, args.cache_dir)
+                                       torch.device("meta") if args.fsdp else device, args.cache_dir)
     dataset, eval_dataset = first_on_local_main(
         lambda: [None if split is None else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir)
                  for split in (records, eval_records)], local_rank, device)
@@ -168,8 +169,7 @@ def run(args, device, backend: str, started: float) -> None:
     if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
         offload = "offload" in args.fsdp.split()
         shard_base_model(model, device, offload=offload)
-        if not offload:
-            model.to(device)  # moves this rank's shards only
+        load_shards(model, model_path, torch.device("cpu") if offload else device, args.cache_dir)
         reft_model.interventions.to(device)
         # pyvene puts its index tensors on the model's device, which is the CPU for offloaded shards.
         reft_model.get_device = lambda: device

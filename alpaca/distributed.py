@@ -92,8 +92,11 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from alpaca.model import decoder_layers
+    from alpaca.sharding import return_freed_buffers_to_the_os
 
     options = {}
+    if device.type == "cpu":
+        return_freed_buffers_to_the_os()
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
         if offload:
