@@ -91,6 +91,9 @@ def run(args, device, backend: str, started: float) -> None:
         prepare_dataset,
         rank_micro_batches,
     )
+    from alpaca.deepspeed import check_for_device
+    from alpaca.deepspeed import initialize as deepspeed_initialize
+    from alpaca.deepspeed import micro_step as deepspeed_micro_step
     from alpaca.distributed import (
         average_gradients,
         broadcast_from_rank_zero,
@@ -123,6 +126,8 @@ def run(args, device, backend: str, started: float) -> None:
         quiet_non_main_rank()
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
     position = parse_position(args.position)
+    if args.deepspeed:
+        check_for_device(args.deepspeed_config, args.deepspeed, device)
     # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
     resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
 
@@ -165,7 +170,8 @@ def run(args, device, backend: str, started: float) -> None:
         step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
             loaded[0], args, reft_model, optimizer, scheduler, rank, world_size, len(dataset), device)
 
-    # -- DDP, or FSDP for the base: only the interventions train, and they are replicated -----------
+    # -- DDP, FSDP for the base, or DeepSpeed ZeRO: only the interventions train ---------------------
+    engine = None  # DeepSpeed's: it reduces, clips and steps
     if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
         offload = "offload" in args.fsdp.split()
         shard_base_model(model, device, offload=offload)
@@ -175,19 +181,23 @@ def run(args, device, backend: str, started: float) -> None:
         reft_model.get_device = lambda: device
         broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
         train_model = reft_model
+    elif args.deepspeed:
+        engine = train_model = deepspeed_initialize(reft_model, optimizer, scheduler, args.deepspeed_config)
     else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
         # fixed base) never change: no re-broadcast before each forward.
         train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
                                               device_ids=[local_rank] if device.type == "cuda" else None)
-    check_replicated(parameters, device, ddp_model=None if args.fsdp else train_model)
+    check_replicated(parameters, device, ddp_model=None if args.fsdp or engine else train_model)
+    backward = torch.Tensor.backward if engine is None else lambda loss: deepspeed_micro_step(engine, loss)
     base_bytes = local_parameter_bytes(model)
+    layout = ("sharded (FSDP)" if args.fsdp else "replicated (DDP)" if engine is None else
+              f"replicated (DeepSpeed ZeRO-{args.deepspeed_config['zero_optimization']['stage']})")
     if is_main:
         print(f"{describe(reft_model, len(dataset), device)}\n"
               f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
               f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
               f"steps ({plan.steps_per_epoch} per epoch) | {backend} | base model "
-              f"{'sharded (FSDP)' if args.fsdp else 'replicated (DDP)'}: {base_bytes / 2**20:.1f} MiB of "
-              f"parameters on rank 0"
+              f"{layout}: {base_bytes / 2**20:.1f} MiB of parameters on rank 0"
               + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
               + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
               + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
@@ -246,25 +256,28 @@ def run(args, device, backend: str, started: float) -> None:
         learning_rate = scheduler.get_last_lr()[0]
         for micro_step, batch in enumerate(batches):
             last = micro_step == len(batches) - 1
-            if batch is None and not last:
+            if batch is None and not last and engine is None:  # DeepSpeed: every rank runs every micro-batch
                 continue
             # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
-            with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():
+            with contextlib.nullcontext() if last or args.fsdp or engine else train_model.no_sync():
                 summed_loss = summed_token_loss(train_model, batch or placeholder, device)
                 if batch is None:
                     summed_loss = summed_loss * 0.0
-                token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
+                backward(token_weighted_loss(summed_loss, step_label_tokens, world_size))
             if batch is not None:
                 seen = int(batch["attention_mask"].sum())
                 window += torch.tensor([summed_loss.item(), batch["num_label_tokens"], seen],
                                        dtype=torch.float64, device=device)
                 rank_tokens += seen
-        if args.fsdp:
-            average_gradients(parameters, world_size)
-        grad_norm = clip_gradients(parameters, args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        if engine is not None:  # it clipped and stepped in its last micro-step
+            grad_norm = float(engine.get_global_grad_norm())
+        else:
+            if args.fsdp:
+                average_gradients(parameters, world_size)
+            grad_norm = clip_gradients(parameters, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
         progress.update()
         if plan.should_log(step):
