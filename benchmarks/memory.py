@@ -1,6 +1,6 @@
-"""Host memory per rank: DDP against --fsdp, on 1, 2 and 4 processes (CPU, gloo).
+"""Host memory per rank: DDP, --fsdp and --deepspeed ZeRO-2, on 1, 2 and 4 processes (CPU, gloo).
 
-    python benchmarks/memory.py                                   # SmolLM2 and a random 0.44B model
+    python benchmarks/memory.py                                   # SmolLM2 and a random 0.49B model, all
     python benchmarks/memory.py --models smollm2 --nproc 2 --strategies ddp fsdp
 
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
@@ -30,9 +30,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
-STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"]}
-# hidden 1536, 12 layers, 32k vocabulary, untied: 0.44B parameters, 1.75 GB in float32
-RANDOM_MODEL = dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
+STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
+              "zero2": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")]}
+# hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
+# in float32
+RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
                     num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False)
 
 
@@ -49,7 +51,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_random_model(directory: Path) -> Path:
-    """RANDOM_MODEL in bfloat16 safetensors, with SmolLM2's tokenizer (ids beyond it are never used)."""
+    """RANDOM_MODEL in bfloat16 safetensors, with SmolLM2's tokenizer."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -144,7 +146,7 @@ def main() -> None:
             models["SmolLM2-135M"] = (embedded_model_dir(), "8;19")
         if "random" in args.models:
             print("Building the random model ...", flush=True)
-            models["random 0.44B (bf16 file)"] = (build_random_model(Path(scratch) / "random"), "4;8")
+            models["random 0.49B (bf16 file)"] = (build_random_model(Path(scratch) / "random"), "4;8")
         rows = []
         for model_name, (model_dir, layers) in models.items():
             copy = one_copy_bytes(model_dir)
