@@ -93,6 +93,9 @@ def run(args, device, backend: str, started: float) -> None:
         load_splits,
         prepare_dataset,
     )
+    from alpaca.deepspeed import check_for_device
+    from alpaca.deepspeed import initialize as deepspeed_initialize
+    from alpaca.deepspeed import micro_step as deepspeed_micro_step
     from alpaca.distributed import (
         average_gradients,
         broadcast_from_rank_zero,
@@ -116,6 +119,7 @@ def run(args, device, backend: str, started: float) -> None:
     )
     from alpaca.optim import StepPlan, build_optimizer, clip_gradients
     from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
+    from alpaca.sharding import load_shards
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -125,6 +129,8 @@ def run(args, device, backend: str, started: float) -> None:
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
+    if args.deepspeed:
+        check_for_device(args.deepspeed_config, args.deepspeed, device)
     # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
     resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
 
@@ -134,9 +140,9 @@ def run(args, device, backend: str, started: float) -> None:
         lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
                             args.seed, args.field_map), participate=True, device=device)
     model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
-    # Under --fsdp the base goes to the GPU only once sharded: each GPU then holds 1/world_size of it.
+    # Under --fsdp the base is built empty (meta device); once sharded, each rank reads only its shards.
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
-                                       torch.device("cpu") if args.fsdp else device, args.cache_dir)
+                                       torch.device("meta") if args.fsdp else device, args.cache_dir)
     dataset, eval_dataset = first_on_local_main(
         lambda: [None if split is None else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir)
                  for split in (records, eval_records)], local_rank, device)
@@ -167,30 +173,34 @@ def run(args, device, backend: str, started: float) -> None:
         step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
             loaded[0], args, reft_model, optimizer, scheduler, rank, world_size, len(dataset), device)
 
-    # -- DDP, or FSDP for the base: only the interventions train, and they are replicated -----------
+    # -- DDP, FSDP for the base, or DeepSpeed ZeRO: only the interventions train ---------------------
+    engine = None  # DeepSpeed's: it reduces, clips and steps
     if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
         offload = "offload" in args.fsdp.split()
         shard_base_model(model, device, offload=offload)
-        if not offload:
-            model.to(device)  # moves this rank's shards only
+        load_shards(model, model_path, torch.device("cpu") if offload else device, args.cache_dir)
         reft_model.interventions.to(device)
         # pyvene puts its index tensors on the model's device, which is the CPU for offloaded shards.
         reft_model.get_device = lambda: device
         broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
         train_model = reft_model
+    elif args.deepspeed:
+        engine = train_model = deepspeed_initialize(reft_model, optimizer, scheduler, args.deepspeed_config)
     else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
         # fixed base) never change: no re-broadcast before each forward.
         train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
                                               device_ids=[local_rank] if device.type == "cuda" else None)
-    check_replicated(parameters, device, ddp_model=None if args.fsdp else train_model)
+    check_replicated(parameters, device, ddp_model=None if args.fsdp or args.deepspeed else train_model)
+    backward = torch.Tensor.backward if engine is None else lambda loss: deepspeed_micro_step(engine, loss)
     base_bytes = local_parameter_bytes(model)
+    layout = ("sharded (FSDP)" if args.fsdp else "replicated (DDP)" if engine is None else
+              f"replicated (DeepSpeed ZeRO-{args.deepspeed_config['zero_optimization']['stage']})")
     if is_main:
         print(f"{describe(reft_model, len(dataset), device)}\n"
               f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
               f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
               f"steps ({plan.steps_per_epoch} per epoch) | {backend} | base model "
-              f"{'sharded (FSDP)' if args.fsdp else 'replicated (DDP)'}: {base_bytes / 2**20:.1f} MiB of "
-              f"parameters on rank 0"
+              f"{layout}: {base_bytes / 2**20:.1f} MiB of parameters on rank 0"
               + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
               + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
               + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
@@ -259,29 +269,33 @@ def run(args, device, backend: str, started: float) -> None:
                 sys.exit(stop.exit_code if stop.received else 1)
             learning_rate = scheduler.get_last_lr()[0]
             # A short share runs zero-weight placeholders: one, last, under DDP (its gradient all-reduce needs
-            # every rank); every missing one under FSDP, whose forwards all-gather the base's shards.
+            # every rank); every missing one under FSDP, whose forwards all-gather the base's shards, and under
+            # DeepSpeed, which communicates in every backward.
             missing = args.gradient_accumulation_steps - len(micro_batches)
             if missing:
-                micro_batches = [*micro_batches, *[None] * (missing if args.fsdp else 1)]
+                micro_batches = [*micro_batches, *[None] * (missing if args.fsdp or args.deepspeed else 1)]
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == len(micro_batches) - 1
                 # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
-                with contextlib.nullcontext() if last or args.fsdp else train_model.no_sync():
+                with contextlib.nullcontext() if last or args.fsdp or args.deepspeed else train_model.no_sync():
                     summed_loss = summed_token_loss(train_model, batch or placeholder, device)
                     if batch is None:
                         summed_loss = summed_loss * 0.0
-                    token_weighted_loss(summed_loss, step_label_tokens, world_size).backward()
+                    backward(token_weighted_loss(summed_loss, step_label_tokens, world_size))
                 if batch is not None:
                     window[0] += summed_loss.detach()
                     window[1] += batch["num_label_tokens"]
                     window[2] += batch["num_tokens"]
                     rank_tokens += batch["num_tokens"]
-            if args.fsdp:
-                average_gradients(parameters, world_size)
-            grad_norm = clip_gradients(parameters, args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            if engine is not None:  # it clipped and stepped in its last micro-step
+                grad_norm = engine.get_global_grad_norm()
+            else:
+                if args.fsdp:
+                    average_gradients(parameters, world_size)
+                grad_norm = clip_gradients(parameters, args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             step += 1
             progress.update()
             if plan.should_log(step):

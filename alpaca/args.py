@@ -239,6 +239,9 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
         flag("--fsdp", nargs="?", const="full_shard", default="",
              help="shard the frozen base model across ranks (FSDP2); HF-style values are accepted: "
                   "'full_shard auto_wrap', and 'offload' keeps the shards in CPU memory (CUDA only)")
+        flag("--deepspeed", default=None, metavar="CONFIG.json",
+             help="DeepSpeed ZeRO (stage 1 or 2) with this config (HF's format: examples/deepspeed/); "
+                  "\"auto\" values come from the flags")
     return parser
 
 
@@ -268,6 +271,15 @@ def validate(args: argparse.Namespace) -> None:
     if fsdp_words - FSDP_WORDS:
         raise UsageError(f"--fsdp {args.fsdp!r}: unknown option {sorted(fsdp_words - FSDP_WORDS)[0]!r}; use "
                          f"--fsdp alone, or any of {', '.join(sorted(FSDP_WORDS))}")
+    if getattr(args, "deepspeed", None):
+        if args.fsdp:
+            raise UsageError("--fsdp and --deepspeed are exclusive; pick one")
+        if args.save_strategy != "no" or args.resume_from_checkpoint:
+            raise UsageError("--deepspeed does not save or resume checkpoints yet; use --save_strategy no, or DDP "
+                             "or --fsdp")
+        from alpaca.deepspeed import load_config
+
+        args.deepspeed_config = load_config(args, int(os.environ.get("WORLD_SIZE", 1)))
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 are exclusive; pick one (or use --dtype)")
     if args.bf16 or args.fp16:

@@ -83,8 +83,10 @@ def first_on_local_main(fn: Callable[[], T], local_rank: int, device: torch.devi
 
 def shard_base_model(model, device: torch.device, offload: bool = False) -> None:
     """FSDP2 over the frozen base: each decoder layer is a unit, all-gathered just before it runs and freed
-    after; the root unit holds the embeddings, final norm and LM head. Build the ReFT model first: pyvene
-    finds its hook points by the model's class, which `fully_shard` replaces.
+    after; so are untied input embeddings and LM head, the largest units of a small model. The root unit
+    holds the rest (final norm; tied embeddings, one parameter, gathered for the whole forward and
+    backward). Build the ReFT model first: pyvene finds its hook points by the model's class, which
+    `fully_shard` replaces.
 
     The interventions are not sharded: a few thousand parameters, replicated, whose gradients
     `average_gradients` all-reduces once per step. The base is frozen, so FSDP never reduces gradients.
@@ -92,16 +94,23 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from alpaca.model import decoder_layers
+    from alpaca.sharding import return_freed_buffers_to_the_os
 
     options = {}
+    if device.type == "cpu":
+        return_freed_buffers_to_the_os()
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
         if offload:
             options["offload_policy"] = CPUOffloadPolicy()
     elif offload:
         raise UsageError("--fsdp offload keeps the shards in CPU memory for GPUs; on CPUs drop 'offload'")
-    for layer in decoder_layers(model):
-        fully_shard(layer, **options)
+    units = decoder_layers(model)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is not embeddings.weight:
+        units = [embeddings, *units, head]
+    for unit in units:
+        fully_shard(unit, **options)
     fully_shard(model, **options)
 
 

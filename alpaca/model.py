@@ -96,7 +96,8 @@ def check_model(args) -> str:
 
 
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None):
-    """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set)."""
+    """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set).
+    On the meta device the weights are not read: `alpaca.sharding.load_shards` fills the sharded model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_name_or_path, cache_dir)
@@ -105,6 +106,10 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     )  # no model_max_length: `tokenize` truncates, and transformers would warn about every long record
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
+    if device.type == "meta":
+        from alpaca.sharding import empty_base_model
+
+        return empty_base_model(path, dtype, cache_dir), tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)
     model.requires_grad_(False)
     model.eval()
@@ -135,7 +140,10 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
         }
         for layer in layer_ids
     ]
-    reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations))
+    # pyreft moves the interventions to the base's device: not to the meta device of a base that
+    # alpaca.sharding fills later (they would lose their initial weights); they stay on the CPU.
+    reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations),
+                                       set_device=model.device.type != "meta")
     keep_foreign_hooks(reft_model)
     set_train_mode(reft_model, True)
     return reft_model

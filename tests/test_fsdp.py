@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import (
     FAULTS,
+    REPO,
     RTOL,
     assert_same_run,
     eval_losses,
@@ -109,3 +110,33 @@ def test_fsdp_offload_needs_cuda(tiny_model, tiny_data, tmp_path):
                          "--output_dir", str(tmp_path), "--fsdp", "full_shard offload", "--layers", "1;2"])
     assert result.returncode == 2
     assert "--fsdp offload keeps the shards in CPU memory for GPUs" in result.stderr
+
+
+@pytest.mark.parametrize("nproc,tied", [(2, False), (4, True)])
+def test_sharded_load_gives_the_checkpoints_weights(tmp_path, nproc, tied):
+    """--fsdp's load: built on meta, sharded, each rank reading its slices of the safetensors file. The gathered
+    weights, buffers and logits are those of the model loaded whole; tied embeddings stay one parameter;
+    301 vocabulary rows split unevenly over the ranks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                         initializer_range=0.3)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    result = torchrun(nproc, [str(REPO / "tests" / "sharded_load.py"), str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"ok: {nproc} ranks, tied={tied}" in result.stdout
+
+
+def test_fsdp_needs_safetensors(tiny_model, tiny_data, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for file in tiny_model.iterdir():
+        if file.suffix != ".safetensors":
+            (model_dir / file.name).write_bytes(file.read_bytes())
+    result = run_script(["train_multigpu.py", "--model_name_or_path", str(model_dir), "--data_path", str(tiny_data),
+                         "--output_dir", str(tmp_path / "out"), "--fsdp", "--layers", "1;2"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--fsdp reads each rank's shards from safetensors files" in result.stderr
+    assert "Traceback" not in result.stderr

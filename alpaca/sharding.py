@@ -1,0 +1,134 @@
+"""--fsdp without a full copy of the base on any rank: build it on the meta device, shard it, then fill
+each rank's shards straight from the checkpoint's safetensors files.
+
+    model = empty_base_model(path, dtype, cache_dir)     # parameters on meta, buffers computed on the CPU
+    reft_model = build_reft_model(model, ...)             # pyvene finds its hooks by the model's class
+    shard_base_model(model, device)                       # alpaca.distributed: fully_shard, still on meta
+    load_shards(model, path, device, cache_dir)           # allocate the local shards, read only their slices
+
+Under DDP the weights stay file-backed (a memory map, shared by the ranks through the page cache); a
+sharded rank instead holds its shards as private memory, so it must never hold more than its shards plus
+the unit it gathers for the moment. Each rank reads only the rows of each tensor that it owns, converting
+only those to the training dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from alpaca.args import UsageError
+
+
+def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str | None = None):
+    """The base model with its parameters on the meta device (no memory) and its buffers computed on the
+    CPU as usual (rotary tables: small, and not all of them are in the checkpoint). Frozen, eval mode."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    safetensors_index(model_name_or_path, cache_dir)  # no safetensors: say so now, not after the sharding
+    config = AutoConfig.from_pretrained(model_name_or_path, cache_dir=cache_dir)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # accelerate's meta parameters come untied: lm_head would be a second, unloaded tensor
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def safetensors_index(model_name_or_path: str, cache_dir: str | None = None) -> dict[str, Path]:
+    """Each tensor name of the checkpoint and the safetensors file that holds it: from a local directory,
+    or from a hub name's cached snapshot (downloaded once per node by the first caller)."""
+    from safetensors import safe_open
+
+    directory = Path(os.path.expanduser(model_name_or_path))
+    if not directory.is_dir():
+        from huggingface_hub import snapshot_download
+
+        directory = Path(snapshot_download(model_name_or_path, cache_dir=cache_dir,
+                                           allow_patterns=["*.safetensors", "*.safetensors.index.json"]))
+    index_file = directory / "model.safetensors.index.json"
+    if index_file.exists():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"--fsdp reads each rank's shards from safetensors files; {model_name_or_path} has none "
+                         "(convert it with save_pretrained, or train without --fsdp)")
+    index = {}
+    for file in files:
+        with safe_open(file, framework="pt") as opened:
+            index.update(dict.fromkeys(opened.keys(), file))
+    return index
+
+
+def load_shards(model: torch.nn.Module, model_name_or_path: str, device: torch.device,
+                cache_dir: str | None = None) -> None:
+    """Allocate the local shards of a model sharded on the meta device (`fully_shard`) and fill them, each
+    rank reading only its own slice of each tensor. Buffers keep the values computed at construction
+    unless the checkpoint has them. Tied parameters stay tied (one parameter, filled once)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    # local shape and offset of a DTensor's local part, as torch's distributed checkpoint computes them
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    index = safetensors_index(model_name_or_path, cache_dir)
+    parameters = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    missing = [name for name in parameters if name not in index]
+    if missing:
+        more = f" and {len(missing) - 1} more" if missing[1:] else ""
+        raise UsageError(f"--fsdp reads each rank's shards from safetensors files by tensor name; "
+                         f"{model_name_or_path} lacks {missing[0]!r}{more} (a checkpoint that transformers "
+                         "converts while loading): train without --fsdp")
+    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)  # uninitialized memory for the local shards only (and the buffers)
+    for name, buffer in buffers.items():
+        module_name, _, buffer_name = name.rpartition(".")
+        model.get_submodule(module_name)._buffers[buffer_name] = buffer.to(device)
+
+    def read(name: str, rows: slice | None = None) -> torch.Tensor:
+        # safe_open maps the whole file; the pages a read touches count in this rank's resident memory
+        # until the map is closed. So one map per tensor: the file pages resident at once are one slice's.
+        with safe_open(index[name], framework="pt") as opened:
+            tensor_slice = opened.get_slice(name)
+            return tensor_slice[:] if rows is None else tensor_slice[rows]
+
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            if isinstance(parameter, DTensor):
+                local = parameter.to_local()
+                shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
+                                                                      parameter.placements)
+                if any(start for start in offset[1:]) or tuple(local.shape) != tuple(shape):
+                    raise NotImplementedError(f"{name}: only row-wise shards (FSDP's Shard(0)) are read")
+                if local.numel():
+                    local.copy_(read(name, slice(offset[0], offset[0] + shape[0])))
+            else:
+                parameter.copy_(read(name))
+        for name, buffer in model.named_buffers():
+            if name in index:
+                buffer.copy_(read(name))
+    left_on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if left_on_meta:
+        raise RuntimeError(f"{len(left_on_meta)} tensors of the base were never loaded, e.g. {left_on_meta[0]}")
+
+
+def return_freed_buffers_to_the_os() -> None:
+    """Sharded on the CPU, each rank all-gathers every unit into fresh host memory and frees it after use.
+    glibc serves large allocations with mmap and unmaps them when freed, but raises its mmap threshold to
+    the size of each such chunk freed: from the second unit on, the gathered units come from the heap,
+    which keeps what is freed (SmolLM2, 2 ranks: +1.5 model copies per rank within two steps). Setting
+    the threshold fixes it (and turns that adjustment off); at 64 KiB, what a step frees is returned
+    (at 1 MiB, a tenth of a model copy stayed from step to step)."""
+    import ctypes
+    import ctypes.util
+
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, "mallopt"):  # glibc; other allocators return memory themselves
+        m_mmap_threshold = -3
+        libc.mallopt(m_mmap_threshold, 64 << 10)

@@ -1,0 +1,172 @@
+"""Host memory per rank: DDP, --fsdp and --deepspeed ZeRO-2, on 1, 2 and 4 processes (CPU, gloo).
+
+    python benchmarks/memory.py                                   # SmolLM2 and a random 0.49B model, all
+    python benchmarks/memory.py --models smollm2 --nproc 2 --strategies ddp fsdp
+
+Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
+runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
+file pages it maps, such as a memory-mapped checkpoint) and the peak of RssAnon (private memory only).
+"params" is the base-model parameter bytes the rank holds (its shards under --fsdp). Every figure is also
+given as a ratio to one model copy, the base's parameter bytes in the training dtype. Parameter bytes
+are not process memory: the RSS figures are what decides whether a job fits on a host.
+
+The random model is saved in bfloat16 and trained in float32, as a bf16 hub checkpoint trained in another
+dtype would be: without sharded loading, every rank then holds a full private float32 copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+SHARED_DATA = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
+STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
+              "zero2": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")]}
+# hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
+# in float32
+RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
+                    num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["smollm2", "random"], choices=["smollm2", "random"])
+    parser.add_argument("--nproc", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
+    parser.add_argument("--data_path", default=str(SHARED_DATA if SHARED_DATA.exists()
+                                                   else REPO / "examples" / "data" / "alpaca_sample.json"))
+    parser.add_argument("--poll_s", type=float, default=0.05, help="how often each rank's memory is read")
+    return parser.parse_args()
+
+
+def build_random_model(directory: Path) -> Path:
+    """RANDOM_MODEL in bfloat16 safetensors, with SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from alpaca.model import embedded_model_dir
+
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(LlamaConfig(**RANDOM_MODEL, initializer_range=0.02)).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(directory)
+    return directory
+
+
+def one_copy_bytes(model_dir: Path, dtype_bytes: int = 4) -> int:
+    """Parameter bytes of the whole base in the training dtype (float32), from the safetensors headers."""
+    from safetensors import safe_open
+
+    numel = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as opened:
+            for name in opened.keys():
+                numel += math.prod(opened.get_slice(name).get_shape())
+    return numel * dtype_bytes
+
+
+def status_kib(pid: int) -> dict[str, int]:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # the process has exited
+        return {}
+    return {key: int(value.split()[0]) for key, value in re.findall(r"^(VmHWM|RssAnon):\s+(.+)$", text, re.M)}
+
+
+def workers(launcher_pid: int) -> dict[int, int]:
+    """The launcher's children that are training ranks: {pid: rank}."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != launcher_pid:
+                continue
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        ranks = [item[5:] for item in environ if item.startswith(b"RANK=")]
+        if ranks:
+            found[int(entry)] = int(ranks[0])
+    return found
+
+
+def measure(model_dir: Path, strategy: str, nproc: int, args: argparse.Namespace, layers: str) -> list[dict]:
+    """One training run; per rank: peak VmHWM and RssAnon (bytes) and its base parameter bytes."""
+    with tempfile.TemporaryDirectory(prefix="memory-") as output_dir:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                   str(REPO / "train_multigpu.py"), "--model_name_or_path", str(model_dir), "--data_path",
+                   args.data_path, "--output_dir", output_dir, "--max_steps", str(args.steps),
+                   "--per_device_train_batch_size", "1", "--max_n_train_example", "64", "--layers", layers,
+                   "--num_sample_answers", "0", "--logging_steps", "1", "--dtype", "float32",
+                   *STRATEGIES[strategy]]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+        launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+        peaks: dict[int, dict[str, int]] = {}
+        ranks: dict[int, int] = {}
+        while launcher.poll() is None:
+            if len(ranks) < nproc:
+                ranks.update(workers(launcher.pid))
+            for pid in ranks:
+                for key, kib in status_kib(pid).items():
+                    peaks.setdefault(pid, {})[key] = max(peaks.get(pid, {}).get(key, 0), kib)
+            time.sleep(args.poll_s)
+        output = launcher.stdout.read()
+        if launcher.returncode != 0:
+            raise SystemExit(f"{strategy} on {nproc} processes failed:\n{output[-3000:]}")
+        # The last line of train_multigpu.py's report: "rank r: ... tok/s, peak ... GiB, base X MiB".
+        base_mib = {int(r): float(b) for r, b in re.findall(r"rank (\d+): [\d.]+ tok/s, peak [\d.]+ GiB, base "
+                                                             r"([\d.]+) MiB", output)}
+    by_rank = {rank: peaks.get(pid, {}) for pid, rank in ranks.items()}
+    return [dict(rank=rank, hwm=by_rank[rank].get("VmHWM", 0) * 1024, anon=by_rank[rank].get("RssAnon", 0) * 1024,
+                 params=base_mib.get(rank, float("nan")) * 2**20) for rank in sorted(by_rank)]
+
+
+def main() -> None:
+    args = parse_args()
+    from alpaca.model import embedded_model_dir
+
+    with tempfile.TemporaryDirectory(prefix="memory-model-") as scratch:
+        models = {}
+        if "smollm2" in args.models:
+            models["SmolLM2-135M"] = (embedded_model_dir(), "8;19")
+        if "random" in args.models:
+            print("Building the random model ...", flush=True)
+            models["random 0.49B (bf16 file)"] = (build_random_model(Path(scratch) / "random"), "4;8")
+        rows = []
+        for model_name, (model_dir, layers) in models.items():
+            copy = one_copy_bytes(model_dir)
+            print(f"\n{model_name}: one copy = {copy / 2**30:.2f} GiB (float32)\n"
+                  f"{'processes':>9} {'strategy':>8} | {'peak RSS (VmHWM) per rank':>34} | "
+                  f"{'peak anonymous RSS per rank':>34} | {'base params per rank':>28}", flush=True)
+            for nproc in args.nproc:
+                for strategy in args.strategies:
+                    ranks = measure(model_dir, strategy, nproc, args, layers)
+
+                    def cells(key, ranks=ranks, copy=copy):
+                        figures = [r[key] for r in ranks]
+                        return (" / ".join(f"{f / 2**30:.2f}" for f in figures) + " GiB ("
+                                + " / ".join(f"{f / copy:.2f}" for f in figures) + "x)")
+
+                    print(f"{nproc:>9} {strategy:>8} | {cells('hwm'):>34} | {cells('anon'):>34} | "
+                          f"{cells('params'):>28}", flush=True)
+                    rows.append(dict(model=model_name, nproc=nproc, strategy=strategy, one_copy=copy, ranks=ranks))
+        print("\n" + json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
