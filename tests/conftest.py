@@ -7,6 +7,7 @@ import importlib
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -118,6 +119,15 @@ def run_script(args: list[str], cwd: Path = REPO, env: dict | None = None, timeo
 
 COMMON = ["--layers", "1;2", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--num_train_epochs",
           "3", "--logging_steps", "1", "--num_sample_answers", "0", "--warmup_steps", "2"]
+
+
+# torchrun looks at its workers only every 10 s: a rank that ends within a test's time ended on its own.
+EACH_RANK_ENDS_ON_ITS_OWN = ["--monitor-interval", "10"]
+
+
+def rank_exit_codes(torchrun_stderr: str) -> list[tuple[str, str]]:
+    """(rank, exit code) of each failed worker, from torchrun's summary."""
+    return sorted(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", torchrun_stderr))
 
 
 def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300, env: dict | None = None):

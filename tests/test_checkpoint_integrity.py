@@ -8,7 +8,17 @@ import signal
 
 import pytest
 import torch
-from conftest import DDP, FAULTS, SINGLE, assert_same_run, flags, run_script, torchrun
+from conftest import (
+    DDP,
+    EACH_RANK_ENDS_ON_ITS_OWN,
+    FAULTS,
+    SINGLE,
+    assert_same_run,
+    flags,
+    rank_exit_codes,
+    run_script,
+    torchrun,
+)
 
 from alpaca.args import UsageError
 from alpaca.checkpoint import MANIFEST, checkpoints, is_complete, latest_checkpoint, load_checkpoint, sha256
@@ -122,10 +132,13 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
         script = [FAULTS] if faults else []
         if processes == 1:
             return run_script([*script, "train.py", *command], env=env)
-        return torchrun(2, [*script, "train_multigpu.py", *command], env=env)
+        return torchrun(2, [*script, "train_multigpu.py", *command, "--ddp_timeout", "600"], env=env,
+                        extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
 
     failed = launch(args, faults=True, env={"FAULT": "enospc", "FAULT_STEP": "4"})
     assert failed.returncode != 0
+    if processes == 2:  # rank 1 learnt it from rank 0 and left with it, without waiting for --ddp_timeout
+        assert rank_exit_codes(failed.stderr) == [("0", "1"), ("1", "1")], failed.stderr[-3000:]
     [message] = [line for line in failed.stderr.splitlines() if "error: writing" in line]  # rank 0's, once
     assert f"writing {tmp_path / 'checkpoint-4'} failed: No space left on device" in message
     assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-2'}" in message
