@@ -157,7 +157,7 @@ def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
 
 def intervention_weights(directory) -> dict[str, torch.Tensor]:
     return {f"{path.name}/{name}": tensor for path in sorted(Path(directory).glob("intkey_*.bin"))
-            for name, tensor in torch.load(path).items()}
+            for name, tensor in torch.load(path, weights_only=True).items()}
 
 
 def reloaded_eval_loss(run_dir, model_dir, records) -> float:

@@ -12,6 +12,7 @@ from conftest import (
     DDP,
     EACH_RANK_ENDS_ON_ITS_OWN,
     FAULTS,
+    REPO,
     SINGLE,
     assert_same_run,
     flags,
@@ -173,3 +174,10 @@ def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_r
     with pytest.raises(UsageError, match="could run code when loaded"):
         load_reft_model(output, model)
     assert not marker.exists()
+
+
+def test_every_torch_load_in_the_project_is_weights_only():
+    """A full unpickler on a file from disk runs whatever it pickled: every call names weights_only=True."""
+    calls = [(path.relative_to(REPO), line) for path in REPO.glob("**/*.py") if ".venv" not in path.parts
+             for line in path.read_text().splitlines() if "torch.load(" in line and "def " not in line]
+    assert calls and all("weights_only=True" in line for _, line in calls), calls

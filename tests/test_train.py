@@ -109,7 +109,7 @@ def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
             expected = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})[1].logits
         save_interventions(reft_model, tmp_path / str(dtype))
         assert all(t.device.type == "cpu" for f in (tmp_path / str(dtype)).glob("intkey_*.bin")
-                   for t in torch.load(f).values())
+                   for t in torch.load(f, weights_only=True).values())
         loaders = [load_reft_model] + ([pyreft.ReftModel.load] if dtype == torch.bfloat16 else [])
         for load in loaders:
             fresh, _ = load_base_model(str(tiny_model), dtype, torch.device("cpu"))
