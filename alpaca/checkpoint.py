@@ -39,6 +39,9 @@ INTERVENTIONS_STATE = "interventions.pt"
 TRAINER_STATE = "trainer_state.pt"  # the tensors: optimizer, scheduler, RNG states
 TRAINER_STATE_JSON = "trainer_state.json"  # the plain values
 TENSOR_STATE_KEYS = ("optimizer", "scheduler", "rng")
+OLD_FORMAT = ("written by an older version of these scripts, whose trainer state is a full pickle that could run "
+              "code when loaded; it is never loaded. Finish that run with the version that wrote it, or start over "
+              "with --overwrite_output_dir")
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -186,9 +189,7 @@ def checkpoint_problem(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return "incomplete (its writing was interrupted)"
     if manifest.get("format") != FORMAT:
-        return ("written by an older version of these scripts, whose trainer state is a full pickle that could "
-                "run code when loaded; it is never loaded. Finish that run with the version that wrote it, or "
-                "start over with --overwrite_output_dir")
+        return OLD_FORMAT
     for name, expected in files.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != expected["bytes"]:
@@ -227,7 +228,7 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
         problem = checkpoint_problem(path)
         if problem is None:
             return path
-        if problem.startswith("written by an older version"):
+        if problem == OLD_FORMAT:
             raise UsageError(f"{path} was {problem}")
         print(f"warning: skipping {path}: {problem}", file=sys.stderr)
     return None
