@@ -145,6 +145,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations),
                                        set_device=model.device.type != "meta")
     keep_foreign_hooks(reft_model)
+    scatter_on_device(reft_model)
     set_train_mode(reft_model, True)
     return reft_model
 
@@ -212,6 +213,25 @@ def keep_foreign_hooks(reft_model) -> None:
                         module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
 
     reft_model._remove_forward_hooks = remove_pyvene_hooks
+
+
+def scatter_on_device(reft_model) -> None:
+    """pyvene writes intervened positions back (modeling_utils.scatter_neurons) through a batch index it builds
+    on the CPU: on CUDA that index is a blocking host-to-device copy in every hook, forward and backward. Make
+    the same write with the index on the activation's device."""
+    pyvene_scatter = reft_model._scatter_intervention_output
+
+    def scatter(output, intervened, key, unit_locations):
+        representation = reft_model.representations[key]
+        if (unit_locations is None or reft_model.use_fast or isinstance(output, dict) or representation.unit != "pos"
+                or representation.component != "block_output"):
+            return pyvene_scatter(output, intervened, key, unit_locations)
+        hidden = output[0] if isinstance(output, tuple) else output
+        batch_index = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1)
+        hidden[batch_index, torch.as_tensor(unit_locations, device=hidden.device)] = intervened
+        return hidden
+
+    reft_model._scatter_intervention_output = scatter
 
 
 def set_train_mode(reft_model, training: bool) -> None:

@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
                              "weights and --model_name_or_path's tokenizer")
     parser.add_argument("--pad_to_multiple_of", type=int, default=None, help="ours; default: the scripts' default")
     parser.add_argument("--dataloader_num_workers", type=int, default=None, help="ours; default: the scripts'")
-    parser.add_argument("--layers", default="8;19")
+    parser.add_argument("--layers", default=None, help="default: 8;19 (SmolLM2's 30 layers), 4;10 for llama-3.2-1b")
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--model_max_length", type=int, default=512)
     parser.add_argument("--nproc", type=int, default=0, help="also measure train_multigpu.py on 1 and N processes")
@@ -128,6 +128,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     else:
         collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers)
+        del reft_model._scatter_intervention_output  # pyvene's own, with its host-to-device copy in each hook
 
     def epochs():
         """Each step's micro-batches, epoch after epoch."""
@@ -267,6 +268,8 @@ def multigpu_tokens_per_s(args: argparse.Namespace, nproc: int) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.layers is None:
+        args.layers = "8;19" if args.model_shape == "pretrained" else "4;10"
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
@@ -276,34 +279,34 @@ def main() -> None:
                    .split(",")]
     print(f"model {args.model_name_or_path} ({args.model_shape}) | data {args.data_path} | {args.steps} steps per "
           f"batch size (the first is warm-up), then {PROFILED_STEPS} profiled | layers {args.layers}, rank {args.rank}")
-    results = {}
-    for batch_size in batch_sizes:
+    roof, roof_shape = matmul_flops()
+    header_printed = False
+    for batch_size in batch_sizes:  # each row as soon as it is measured: a run cut short keeps what it had
+        results = {}
         for variant in ("baseline", "ours"):
             child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant,
                                     "--per_device_train_batch_size", str(batch_size)], capture_output=True, text=True)
             if child.returncode:
                 sys.exit(f"{variant} at batch {batch_size} failed:\n{child.stderr[-3000:]}")
-            results[batch_size, variant] = json.loads(child.stdout.strip().splitlines()[-1])
+            results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
             if args.profile:
                 print(child.stderr[child.stderr.find(f"--- {variant}"):])
-    roof, roof_shape = matmul_flops()
-    device = results[batch_sizes[0], "ours"]["device"]
-    peak = args.peak_flops or next((flops for name, flops in GPU_PEAK_FLOPS.items() if name in device), None)
-    print(f"device: {device}; dense matmul ({roof_shape}): {roof / 1e9:.1f} GFLOP/s")
-    print(f"{'batch':>5} {'variant':<9} {'non-pad tok/s':>14} {'ratio':>6} {'padding':>8} {'peak mem':>10} "
-          f"{'host ms':>8} {'device ms':>9} {'GFLOP/s':>8} {'of matmul':>9}" + (f" {'MFU':>6}" if peak else ""))
-    for batch_size in batch_sizes:
-        rates = {variant: results[batch_size, variant]["tokens"] / results[batch_size, variant]["seconds"]
-                 for variant in ("baseline", "ours")}
-        for variant in ("baseline", "ours"):
-            r = results[batch_size, variant]
+        device = results["ours"]["device"]
+        peak = args.peak_flops or next((flops for name, flops in GPU_PEAK_FLOPS.items() if name in device), None)
+        if not header_printed:
+            print(f"device: {device}; dense matmul ({roof_shape}): {roof / 1e9:.1f} GFLOP/s")
+            print(f"{'batch':>5} {'variant':<9} {'non-pad tok/s':>14} {'ratio':>6} {'padding':>8} {'peak mem':>10} "
+                  f"{'host ms':>8} {'device ms':>9} {'GFLOP/s':>8} {'of matmul':>9}" + (f" {'MFU':>6}" if peak else ""))
+            header_printed = True
+        rates = {variant: r["tokens"] / r["seconds"] for variant, r in results.items()}
+        for variant, r in results.items():
             achieved = r["flops"] / r["seconds"]
             ratio = f"{rates['ours'] / rates['baseline']:.2f}x" if variant == "ours" else ""
             device_ms = f"{r['device_ms']:.1f}" if r["device_ms"] is not None else "-"
             print(f"{batch_size:>5} {variant:<9} {rates[variant]:>14.1f} {ratio:>6} "
                   f"{1 - r['tokens'] / r['padded_tokens']:>8.1%} {r['peak_bytes'] / 2**30:>6.2f} GiB "
                   f"{r['host_ms']:>8.1f} {device_ms:>9} {achieved / 1e9:>8.1f} {achieved / roof:>9.1%}"
-                  + (f" {achieved / peak:>6.1%}" if peak else ""))
+                  + (f" {achieved / peak:>6.1%}" if peak else ""), flush=True)
     if args.nproc > 1:
         args.per_device_train_batch_size = batch_sizes[0]
         one, many = multigpu_tokens_per_s(args, 1), multigpu_tokens_per_s(args, args.nproc)

@@ -138,3 +138,22 @@ def test_right_padding_needs_no_attention_mask(tiny_model, tiny_data):
     torch.testing.assert_close(unmasked[labelled], masked[labelled], rtol=0, atol=1e-6)
     for expected, actual in zip(masked_grads, unmasked_grads):
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_scatter_on_device_is_pyvenes_write(setup):
+    """The intervened positions written back with the batch index on the activation's device (no host-to-device
+    copy per hook on CUDA) give pyvene's own losses and gradients exactly."""
+    reft_model, dataset, collate = setup
+    batch = collate([dataset[i] for i in range(5)])
+    ours = gradients(reft_model, [batch], lambda loss, _: loss)
+    ours_loss = summed_token_loss(reft_model, batch, torch.device("cpu"))
+    scatter = reft_model._scatter_intervention_output
+    del reft_model._scatter_intervention_output  # back to pyvene's method
+    try:
+        pyvenes = gradients(reft_model, [batch], lambda loss, _: loss)
+        pyvenes_loss = summed_token_loss(reft_model, batch, torch.device("cpu"))
+    finally:
+        reft_model._scatter_intervention_output = scatter
+    assert torch.equal(ours_loss, pyvenes_loss)
+    for expected, actual in zip(pyvenes, ours):
+        assert torch.equal(actual, expected)
