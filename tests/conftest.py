@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -311,14 +312,15 @@ def reference(tiny_model, tiny_data, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pyreft_command_line(tiny_model, tiny_data):
-    """The command line of pyreft's examples/alpaca, verbatim but for the model and data paths, plus the two
-    flags its own argument class adds to HF's: global batch 32 = 4 per device x 8 accumulation."""
-    return ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), "--layers", "1;2",
-            "--rank", "4", "--position", "f1+l1", "--num_train_epochs", "2", "--per_device_train_batch_size", "4",
-            "--per_device_eval_batch_size", "4", "--gradient_accumulation_steps", "8", "--evaluation_strategy", "no",
-            "--save_strategy", "no", "--learning_rate", "2e-5", "--weight_decay", "0.", "--warmup_ratio", "0.03",
-            "--lr_scheduler_type", "cosine", "--logging_steps", "1", "--max_n_train_example", "10000", "--optim",
-            "adamw_torch", "--remove_unused_columns", "False"]
+    """The README's command line of pyreft's examples/alpaca, verbatim but for the model, data and layers (the
+    tiny model has 4) and without the output directory, plus the two flags pyreft's own argument class adds
+    to HF's: global batch 32 = 4 per device x 8 accumulation."""
+    documented = readme_command("train.py")
+    output_dir = documented.index("--output_dir")
+    del documented[output_dir: output_dir + 2]
+    replaced = {"--model_name_or_path": str(tiny_model), "--data_path": str(tiny_data), "--layers": "1;2"}
+    return [replaced.get(documented[i - 1], token) if i else token for i, token in enumerate(documented)] + [
+        "--optim", "adamw_torch", "--remove_unused_columns", "False"]
 
 
 @pytest.fixture(scope="session")
@@ -329,3 +331,27 @@ def pyreft_example_run(pyreft_command_line, tmp_path_factory):
                          "1", "--max_new_tokens", "8"])
     assert result.returncode == 0, result.stderr[-3000:]
     return output_dir, result
+
+
+DOCUMENTED_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(page, command) for each command line in the pages' bash blocks: continuations joined, comments dropped."""
+    commands = []
+    for page in DOCUMENTED_PAGES:
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #")[0].strip()
+                if line and not line.startswith("#"):
+                    commands.append((page.name, line))
+    return commands
+
+
+def readme_command(script: str) -> list[str]:
+    """The arguments of the README's first command line that runs `script`."""
+    for page, command in documented_commands():
+        tokens = shlex.split(command)
+        if page == "README.md" and tokens[:2] == ["python", script] and "..." not in tokens:
+            return tokens[2:]
+    raise AssertionError(f"README.md shows no full command line of {script}")
