@@ -132,7 +132,8 @@ def rank_exit_codes(torchrun_stderr: str) -> list[tuple[str, str]]:
 
 
 def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300, env: dict | None = None):
-    return run_script(["--nproc_per_node", str(nproc), *(extra or []), *args],
+    """torchrun on a free port: tests run in parallel (pytest-xdist), and torchrun's default port is one."""
+    return run_script(["--nproc_per_node", str(nproc), "--master_port", str(free_port()), *(extra or []), *args],
                       launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout, env=env)
 
 

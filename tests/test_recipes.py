@@ -44,7 +44,7 @@ def test_recipes_refuse_a_global_batch_they_cannot_keep():
 @pytest.mark.parametrize("name,env,accumulation", [
     ("single_gpu.sh", {}, 4),
     ("multi_gpu.sh", {"NPROC": "2"}, 2),
-    ("accelerate.sh", {"NPROC": "2"}, 2),
+    ("accelerate.sh", {"NPROC": "2", "MASTER_PORT": str(free_port())}, 2),
 ])
 def test_recipe_trains_the_model_of_one_process(runs, name, env, accumulation):
     root, data = runs

@@ -18,6 +18,7 @@ from conftest import (
     SINGLE,
     assert_same_run,
     flags,
+    free_port,
     rank_exit_codes,
     run_in_process,
     run_script,
@@ -125,7 +126,7 @@ def child_pids(pid: int) -> list[int]:
     ("every process", signal.SIGINT),
 ])
 def test_a_stop_signal_checkpoints_every_rank(tiny_model, tiny_data, tmp_path, target, signal_number):
-    args = ["--nproc_per_node", "2", "train_multigpu.py",
+    args = ["--nproc_per_node", "2", "--master_port", str(free_port()), "train_multigpu.py",
             *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2", "--max_steps", "400",
                    "--save_strategy", "no")]
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO,

@@ -9,6 +9,7 @@ from conftest import (
     COMMON,
     SAMPLE_DATA,
     assert_same_run,
+    free_port,
     intervention_weights,
     logged_values,
     run_in_process,
@@ -166,7 +167,7 @@ def test_device_dependent_defaults():
 
 
 def test_train_py_refuses_torchrun():
-    result = run_script(["--nproc_per_node", "2", "train.py", "--help"],
+    result = run_script(["--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", "--help"],
                         launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=120)
     assert result.returncode != 0
     assert "use: torchrun --nproc_per_node 2 train_multigpu.py" in result.stderr.lower()

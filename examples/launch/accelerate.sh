@@ -11,4 +11,4 @@ plan_batch "$NPROC"
 multi=()
 if ((NPROC > 1)); then multi=(--multi_gpu); fi
 accelerate launch "${multi[@]}" --num_processes "$NPROC" --num_machines 1 --mixed_precision no \
-  --dynamo_backend no "$REPO/train_multigpu.py" "${TRAIN_FLAGS[@]}" "${BATCH_FLAGS[@]}" "$@"
+  --dynamo_backend no --main_process_port "${MASTER_PORT:-29500}" "$REPO/train_multigpu.py" "${TRAIN_FLAGS[@]}" "${BATCH_FLAGS[@]}" "$@"
