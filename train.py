@@ -44,6 +44,7 @@ def train(args) -> None:
         restore_training_state,
         rng_state,
         save_checkpoint,
+        storage_errors,
         trainer_state,
     )
     from alpaca.data import (
@@ -198,9 +199,10 @@ def train(args) -> None:
     train_time = time.perf_counter() - train_start - eval_time
 
     # -- output ---------------------------------------------------------------------------------------
-    save_interventions(reft_model, args.output_dir)
-    metrics.close()
-    plot_loss(args.output_dir)
+    with storage_errors(f"writing the output to {args.output_dir}", args.output_dir):
+        save_interventions(reft_model, args.output_dir)
+        metrics.close()
+        plot_loss(args.output_dir)
     print(f"Trained to step {step} in {train_time:.0f}s ({total_tokens / train_time:.0f} tokens/s); "
           f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
           f"{args.output_dir}/")

@@ -82,6 +82,7 @@ def run(args, device, backend: str, started: float) -> None:
         restore_training_state,
         rng_state,
         save_checkpoint,
+        storage_errors,
         trainer_state,
     )
     from alpaca.data import (
@@ -336,9 +337,10 @@ def run(args, device, backend: str, started: float) -> None:
 
     # -- output: rank 0 writes; if that fails, every rank exits with an error instead of hanging ---------
     def write_outputs() -> None:
-        save_interventions(reft_model, args.output_dir)
-        metrics.close()
-        plot_loss(args.output_dir)
+        with storage_errors(f"writing the output to {args.output_dir}", args.output_dir):
+            save_interventions(reft_model, args.output_dir)
+            metrics.close()
+            plot_loss(args.output_dir)
         rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
                           for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
         print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: "

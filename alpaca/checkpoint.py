@@ -13,6 +13,7 @@ complete, and a damaged one is detected before anything in it is used.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -24,6 +25,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -132,30 +134,44 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, traine
     }
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        save_interventions(reft_model, staging)
-        if (output_dir / ARGS_FILE).exists():
-            contents[ARGS_FILE] = (output_dir / ARGS_FILE).read_bytes()
-        for name, data in contents.items():
-            write_file(staging / name, data)
-        files = {path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)} for path in staging.iterdir()}
-        manifest = {"format": FORMAT, "step": step, "files": files}
-        write_file(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
-        for path in staging.iterdir():  # on disk before the rename makes the checkpoint visible
-            with open(path, "rb") as file:
-                os.fsync(file.fileno())
-        if final.exists():  # the same step saved again after a resume
-            shutil.rmtree(final)
-        os.rename(staging, final)
-    except (OSError, RuntimeError) as error:  # pyvene's torch.save reports a full disk as a RuntimeError
+        with storage_errors(f"writing {final}", output_dir):
+            save_interventions(reft_model, staging)
+            if (output_dir / ARGS_FILE).exists():
+                contents[ARGS_FILE] = (output_dir / ARGS_FILE).read_bytes()
+            for name, data in contents.items():
+                write_file(staging / name, data)
+            files = {path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)} for path in staging.iterdir()}
+            manifest = {"format": FORMAT, "step": step, "files": files}
+            write_file(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
+            for path in staging.iterdir():  # on disk before the rename makes the checkpoint visible
+                with open(path, "rb") as file:
+                    os.fsync(file.fileno())
+            if final.exists():  # the same step saved again after a resume
+                shutil.rmtree(final)
+            os.rename(staging, final)
+    except StorageError:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+    rotate_checkpoints(output_dir, save_total_limit)
+    return final
+
+
+@contextlib.contextmanager
+def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
+    """A write inside that fails for a reason outside the program (disk full, quota, permissions) becomes a
+    StorageError: one line with what failed, the free space there, the newest intact checkpoint, and how to
+    resume."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "writ" not in str(error):  # pyvene's torch.save reports a full
+            raise  # disk as a RuntimeError ("... failed writing file ..."); any other one is a bug, not storage
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
         newest = latest_checkpoint(output_dir)
         raise StorageError(
-            f"writing {final} failed: {reason} ({shutil.disk_usage(output_dir).free / 2**20:.0f} MiB free there). "
+            f"{what} failed: {reason} ({shutil.disk_usage(output_dir).free / 2**20:.0f} MiB free there). "
             + (f"The newest intact checkpoint is {newest}: " if newest else "No checkpoint was saved before: ")
             + "make room (or fix the permissions), then rerun with --resume_from_checkpoint auto") from None
-    rotate_checkpoints(output_dir, save_total_limit)
-    return final
 
 
 def tensor_bytes(state: dict) -> bytes:
