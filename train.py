@@ -89,12 +89,12 @@ def train(args) -> None:
     # -- data and model: what can be checked is checked before the model's weights are loaded ------------
     records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
                                         args.max_n_train_example, args.seed, args.field_map)
-    model_path = check_model(args)  # --layers and --rank against the model's config
+    model_path = check_model(args)  # --layers and --rank against the model's config, the chat template
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
                                        args.cache_dir)
-    dataset = prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir)
-    eval_dataset = (prepare_dataset(eval_records, tokenizer, args.model_max_length, args.cache_dir)
-                    if eval_records is not None else None)
+    dataset = prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
+    eval_dataset = (prepare_dataset(eval_records, tokenizer, args.model_max_length, args.cache_dir,
+                                    args.prompt_template) if eval_records is not None else None)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only

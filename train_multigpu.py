@@ -145,7 +145,8 @@ def run(args, device, backend: str, started: float) -> None:
     model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
                                        torch.device("meta") if args.fsdp else device, args.cache_dir)
     dataset, eval_dataset = first_on_local_main(
-        lambda: [None if split is None else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir)
+        lambda: [None if split is None
+                 else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
                  for split in (records, eval_records)], local_rank, device)
     if len(dataset) < world_size:
         raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "

@@ -156,6 +156,9 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--eval_data_path", default=None, help="held-out Alpaca-format data to report an eval loss on")
     flag("--eval_split_ratio", type=float, default=None,
          help="instead, hold out this fraction of --data_path (seeded) as evaluation data, e.g. 0.05")
+    flag("--prompt_template", default="alpaca", choices=["alpaca", "chat"],
+         help="alpaca: the Stanford Alpaca prompt; chat: the tokenizer's chat template, instruction (+ input) as "
+              "the user turn and output as the assistant turn")
     flag("--field_map", type=parse_field_map, default={},
          help="rename record fields, e.g. 'question=instruction,answer=output' for data with other field names")
     flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,

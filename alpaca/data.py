@@ -38,6 +38,38 @@ def format_prompt(instruction: str, input: str | None = "") -> str:
     return PROMPT_NO_INPUT.format(instruction=instruction)
 
 
+def user_turn(instruction: str, input: str | None = "") -> dict[str, str]:
+    """The chat message of a record (--prompt_template chat): the instruction, then the input if any."""
+    return {"role": "user", "content": f"{instruction}\n\n{input}" if input else instruction}
+
+
+def render_prompt(tokenizer, instruction: str, input: str | None, prompt_template: str) -> str:
+    """The text before the answer: Alpaca's template, or the tokenizer's chat template up to the assistant turn."""
+    if prompt_template == "alpaca":
+        return format_prompt(instruction, input)
+    return tokenizer.apply_chat_template([user_turn(instruction, input)], tokenize=False, add_generation_prompt=True)
+
+
+def render_answer(tokenizer, instruction: str, input: str | None, output: str, prompt: str,
+                  prompt_template: str) -> str:
+    """The text after `prompt`: the output, or the rest of the chat rendered with the output as the assistant turn."""
+    if prompt_template == "alpaca":
+        return output
+    conversation = [user_turn(instruction, input), {"role": "assistant", "content": output}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    if not rendered.startswith(prompt):
+        raise UsageError("--prompt_template chat: the tokenizer's chat template renders a conversation that does "
+                         "not start with its own generation prompt, so answer tokens cannot be told from prompt "
+                         "tokens; use --prompt_template alpaca or another chat model")
+    return rendered[len(prompt) :]
+
+
+def encode_prompts(tokenizer, prompts: list[str], prompt_template: str, return_tensors: str | None = None):
+    """Rendered prompts tokenized (the tokenizer's encoding), the same in training and at generation. A chat
+    template writes the special tokens it wants (BOS) itself, as transformers' apply_chat_template assumes."""
+    return tokenizer(prompts, add_special_tokens=prompt_template == "alpaca", return_tensors=return_tensors)
+
+
 def _read_local_records(path: str, flag: str) -> list[dict]:
     try:
         with open(path, encoding="utf-8") as file:
@@ -126,16 +158,27 @@ def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ra
     return records, eval_records
 
 
-def tokenize(dataset, tokenizer, model_max_length: int):
+def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "alpaca"):
     """Adds `input_ids` (prompt + output + eos, truncated), `prompt_length` and `length`; drops examples left
     without any output token. Prompt and output are tokenized separately, so the prompt tokens are
-    exactly those the model sees at generation time."""
+    exactly those the model sees at generation time.
+
+    With a chat template the answer is what the template renders after the prompt, up to and including the
+    first eos: generation stops there, so what follows (ChatML's newline) is never generated. A template whose
+    turn does not end with eos gets one, as the Alpaca answer does."""
+    eos = tokenizer.eos_token_id
 
     def tokenize_batch(batch: dict[str, list]) -> dict[str, list]:
-        prompts = [format_prompt(i, x) for i, x in zip(batch["instruction"], batch["input"])]
-        prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
-        output_ids = tokenizer(batch["output"], add_special_tokens=False)["input_ids"]
-        input_ids = [(p + o + [tokenizer.eos_token_id])[:model_max_length] for p, o in zip(prompt_ids, output_ids)]
+        records = list(zip(batch["instruction"], batch["input"], batch["output"]))
+        prompts = [render_prompt(tokenizer, i, x, prompt_template) for i, x, _ in records]
+        answers = [render_answer(tokenizer, i, x, o, p, prompt_template) for (i, x, o), p in zip(records, prompts)]
+        prompt_ids = encode_prompts(tokenizer, prompts, prompt_template)["input_ids"]
+        answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
+        if prompt_template == "chat":
+            answer_ids = [ids[: ids.index(eos) + 1] if eos in ids else ids + [eos] for ids in answer_ids]
+        else:
+            answer_ids = [ids + [eos] for ids in answer_ids]
+        input_ids = [(p + a)[:model_max_length] for p, a in zip(prompt_ids, answer_ids)]
         return {"input_ids": input_ids, "prompt_length": [len(p) for p in prompt_ids],
                 "length": [len(ids) for ids in input_ids]}
 
@@ -155,28 +198,32 @@ def tokenize(dataset, tokenizer, model_max_length: int):
     return tokenized
 
 
-def _dataset_fingerprint(records, tokenizer, model_max_length: int) -> str:
+def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_template: str) -> str:
     """Everything the tokenized dataset depends on: the records (datasets' own fingerprint, a hash of
     the content and of the seeded selections and splits made of it), the tokenizer's full
-    serialization, the templates, the code that builds prompts and labels (edit it in a copy and the
-    cache is not reused) and the truncation length."""
+    serialization, the templates (Alpaca's or the tokenizer's chat template), the code that builds
+    prompts and labels (edit it in a copy and the cache is not reused) and the truncation length."""
     digest = hashlib.sha256(records._fingerprint.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
-    code = [inspect.getsource(function) for function in (format_prompt, tokenize)]
+    code = [inspect.getsource(function)
+            for function in (format_prompt, user_turn, render_prompt, render_answer, encode_prompts, tokenize)]
     digest.update(json.dumps([*code, PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id, model_max_length,
-                              type(tokenizer).__name__]).encode())
+                              type(tokenizer).__name__, prompt_template,
+                              tokenizer.chat_template if prompt_template == "chat" else None]).encode())
     return digest.hexdigest()[:24]
 
 
-def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | None = None):
+def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | None = None,
+                    prompt_template: str = "alpaca"):
     """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
     load it in a second instead of tokenizing again."""
     import datasets
 
-    path = cache_root(cache_dir) / "tokenized" / _dataset_fingerprint(records, tokenizer, model_max_length)
+    fingerprint = _dataset_fingerprint(records, tokenizer, model_max_length, prompt_template)
+    path = cache_root(cache_dir) / "tokenized" / fingerprint
     if not path.exists():
-        dataset = tokenize(records, tokenizer, model_max_length)
+        dataset = tokenize(records, tokenizer, model_max_length, prompt_template)
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".staging-", dir=path.parent)
         dataset.save_to_disk(staging)

@@ -7,7 +7,7 @@ import textwrap
 
 import torch
 
-from alpaca.data import format_prompt, intervention_locations
+from alpaca.data import encode_prompts, intervention_locations, render_prompt
 
 # Held out from the shipped training data: they show whether the learned behaviour generalizes.
 SAMPLE_INSTRUCTIONS = [
@@ -19,12 +19,15 @@ SAMPLE_INSTRUCTIONS = [
 
 @torch.no_grad()
 def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], share_weights: bool,
-           num_layers: int, max_new_tokens: int = 96, input: str = "") -> tuple[str, str]:
-    """(base answer, ReFT answer). The interventions act on the prompt's positions only, as in training."""
+           num_layers: int, max_new_tokens: int = 96, input: str = "",
+           prompt_template: str = "alpaca") -> tuple[str, str]:
+    """(base answer, ReFT answer). The prompt is rendered as in training (`prompt_template`), and the
+    interventions act on its positions only."""
     from alpaca.model import set_train_mode
 
     device = reft_model.get_device()
-    prompt = tokenizer(format_prompt(instruction, input), return_tensors="pt").to(device)
+    text = render_prompt(tokenizer, instruction, input, prompt_template)
+    prompt = encode_prompts(tokenizer, [text], prompt_template, return_tensors="pt").to(device)
     prompt_length = prompt["input_ids"].shape[1]
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id)
@@ -41,7 +44,7 @@ def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], s
 def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int) -> str:
     """The end-of-run view: --num_sample_answers held-out instructions, base vs ReFT."""
     rows = [(instruction, *answer(reft_model, tokenizer, instruction, position, args.share_weights, num_layers,
-                                  args.max_new_tokens))
+                                  args.max_new_tokens, prompt_template=args.prompt_template))
             for instruction in SAMPLE_INSTRUCTIONS[: args.num_sample_answers]]
     return side_by_side(rows)
 

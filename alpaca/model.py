@@ -92,7 +92,18 @@ def check_model(args) -> str:
     parse_layers(args.layers, config.num_hidden_layers)
     if args.rank >= config.hidden_size:
         raise UsageError(f"--rank {args.rank} must be smaller than the model's hidden size {config.hidden_size}")
+    if args.prompt_template == "chat":
+        check_chat_template(path, name, args.cache_dir)
     return path
+
+
+def check_chat_template(path: str, name: str, cache_dir: str | None = None) -> None:
+    """--prompt_template chat needs a tokenizer that has one (base models often do not)."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(path, cache_dir=cache_dir).chat_template is None:
+        raise UsageError(f"--prompt_template chat: the tokenizer of {name!r} has no chat template; use "
+                         "--prompt_template alpaca or a chat model")
 
 
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None):

@@ -4,8 +4,8 @@
     python examples/generate.py --reft_dir out --instruction "Name three primary colors." --max_new_tokens 64
     python examples/generate.py --reft_dir single_gpu_run --compare multi_gpu_run --instructions_file prompts.txt
 
-The base model and the intervention positions come from the run's training_args.json unless given. Greedy
-decoding; the interventions act on the prompt's positions, as in training.
+The base model (unless given), the intervention positions and the prompt template come from the run's
+training_args.json. Greedy decoding; the interventions act on the prompt's positions, as in training.
 """
 
 import argparse
@@ -70,8 +70,10 @@ def generate(args: argparse.Namespace) -> None:
         reft_model = load_reft_model(run, model)
         position = parse_position(run_args["position"])
         num_layers = num_intervened_layers(reft_model, position, run_args["share_weights"])
+        # Runs from before --prompt_template trained on the Alpaca prompt.
+        prompt_template = run_args.get("prompt_template", "alpaca")
         answers.append([answer(reft_model, tokenizer, instruction, position, run_args["share_weights"], num_layers,
-                               args.max_new_tokens) for instruction in instructions])
+                               args.max_new_tokens, prompt_template=prompt_template) for instruction in instructions])
     if args.compare:
         rows = [(i, first[1], second[1]) for i, first, second in zip(instructions, *answers)]
         print(side_by_side(rows, headers=(args.reft_dir, args.compare)))

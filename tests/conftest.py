@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,6 +55,29 @@ def build_tiny_model(directory: Path, pad_token: bool = False, unk_token: bool =
     LlamaForCausalLM(config).save_pretrained(directory)
     fast.save_pretrained(directory)
     return directory
+
+
+# ChatML-like, as SmolLM2-Instruct's, but with the tiny tokenizer's own special tokens: BOS written by the template
+# (so it must not be added again) and each turn ended by EOS and a newline (the newline is never generated).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                 "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_chat_template(model_dir: Path, directory: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """A copy of a tiny model whose tokenizer has `chat_template`."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_model, tmp_path_factory) -> Path:
+    return with_chat_template(tiny_model, tmp_path_factory.mktemp("tiny-chat") / "model")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -63,6 +63,9 @@ CASES = [
     ("output_dir is a file", ["--output_dir", "{output_dir}/notes.txt"], "is a file; pass a directory path"),
     ("output_dir not writable", ["--output_dir", "/proc/reft-alpaca-out"], "is not writable"),
     ("model path missing", ["--model_name_or_path", "./no/such/model"], "does not exist; pass a model directory"),
+    ("chat prompt without a chat template", ["--prompt_template", "chat"],
+     "--prompt_template chat: the tokenizer of '{model}' has no chat template; use --prompt_template alpaca or a "
+     "chat model"),
     ("unknown flag", ["--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat"),
     ("eval without eval data", ["--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
     ("eval split ratio out of range", ["--eval_split_ratio", "1.5"], "--eval_split_ratio must be in (0, 1)"),
@@ -77,8 +80,9 @@ CASES = [
 
 @pytest.mark.parametrize("name,flags,message", CASES, ids=[case[0] for case in CASES])
 def test_bad_input(name, flags, message, tiny_model, tmp_path, output_dir):
-    paths = {**{key: str(value) for key, value in bad_data(tmp_path).items()}, "output_dir": str(output_dir)}
-    flags = [flag.format(**paths) for flag in flags]
+    paths = {**{key: str(value) for key, value in bad_data(tmp_path).items()}, "output_dir": str(output_dir),
+             "model": str(tiny_model)}
+    flags, message = [flag.format(**paths) for flag in flags], message.format(**paths)
     defaults = {"--model_name_or_path": str(tiny_model), "--data_path": str(write_records(tmp_path / "ok.json", 5)),
                 "--output_dir": str(output_dir), "--layers": "1;2", "--num_sample_answers": "0", "--max_steps": "1"}
     args = [item for key, value in defaults.items() if key not in flags for item in (key, value)]

@@ -1,11 +1,12 @@
 """Prompts, tokenization, masking, intervention positions, the global batch plan."""
 
+import copy
 import json
 
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, with_chat_template
 
 from alpaca.args import UsageError
 from alpaca.data import (
@@ -13,14 +14,17 @@ from alpaca.data import (
     Collator,
     GlobalBatchSampler,
     StepCollator,
+    _dataset_fingerprint,
     dataloader_worker_init,
     format_prompt,
     global_batches,
     intervention_locations,
     load_records,
     load_splits,
+    prepare_dataset,
     prompt_windows,
     rank_micro_batches,
+    render_prompt,
     tokenize,
 )
 from alpaca.model import load_base_model
@@ -237,3 +241,56 @@ def test_dataloader_workers_give_the_same_steps_and_survive_a_stop_signal(tokeni
         return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
     assert same(in_process, in_workers)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_chat_model):
+    return load_base_model(str(tiny_chat_model), torch.float32, torch.device("cpu"))[1]
+
+
+def test_chat_template_makes_the_record_a_user_and_an_assistant_turn(chat_tokenizer, tiny_data):
+    """Instruction (+ input) is the user turn; the rendered prompt is tokenized as is (the template's BOS only);
+    the labels are the output's tokens and EOS, as with the Alpaca prompt; l1 is the prompt's last token."""
+    tokenizer = chat_tokenizer
+    dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512, "chat")
+    records = json.loads(tiny_data.read_text())
+    assert {bool(record["input"]) for record in records} == {True, False}
+    for record, example in zip(records, dataset):
+        user = record["instruction"] + (f"\n\n{record['input']}" if record["input"] else "")
+        prompt = f"<s><|im_start|>user\n{user}</s>\n<|im_start|>assistant\n"
+        assert render_prompt(tokenizer, record["instruction"], record["input"], "chat") == prompt
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert prompt_ids.count(tokenizer.bos_token_id) == 1 and prompt_ids[0] == tokenizer.bos_token_id
+        output_ids = tokenizer(record["output"], add_special_tokens=False)["input_ids"]
+        assert example["prompt_length"] == len(prompt_ids)
+        assert example["input_ids"] == prompt_ids + output_ids + [tokenizer.eos_token_id]
+        _, last = prompt_windows(example["prompt_length"], 2, 2)
+        assert example["input_ids"][last[-1]] == prompt_ids[-1]
+    batch = Collator(tokenizer.pad_token_id, (2, 2), False, 4)([dataset[0], dataset[1]])
+    for row, example in enumerate([dataset[0], dataset[1]]):
+        prompt = example["prompt_length"]
+        assert (batch["labels"][row, :prompt] == IGNORE_INDEX).all()
+        assert batch["labels"][row, prompt : len(example["input_ids"])].tolist() == example["input_ids"][prompt:]
+
+
+def test_a_chat_template_whose_conversation_does_not_extend_its_prompt_is_refused(tiny_model, tiny_data, tmp_path):
+    model = with_chat_template(tiny_model, tmp_path / "model", "{% for message in messages %}{{ message['role'] }}: "
+                               "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}AI:{% endif %}")
+    tokenizer = load_base_model(str(model), torch.float32, torch.device("cpu"))[1]
+    with pytest.raises(UsageError, match="does not start with its own generation prompt"):
+        tokenize(load_records(str(tiny_data)), tokenizer, 512, "chat")
+
+
+def test_the_tokenization_cache_tells_prompt_templates_apart(chat_tokenizer, tiny_data, tmp_path):
+    """Alpaca and chat tokenizations of the same records are cached apart, and so are two chat templates."""
+    records = load_records(str(tiny_data))
+    alpaca = prepare_dataset(records, chat_tokenizer, 512, str(tmp_path), "alpaca")
+    chat = prepare_dataset(records, chat_tokenizer, 512, str(tmp_path), "chat")
+    assert alpaca["input_ids"] == tokenize(records, chat_tokenizer, 512)["input_ids"]
+    assert chat["input_ids"] == tokenize(records, chat_tokenizer, 512, "chat")["input_ids"] != alpaca["input_ids"]
+    other = copy.deepcopy(chat_tokenizer)
+    other.chat_template = chat_tokenizer.chat_template.replace("<|im_start|>", "<|turn|>")
+    assert (_dataset_fingerprint(records, other, 512, "chat")
+            != _dataset_fingerprint(records, chat_tokenizer, 512, "chat"))
+    assert (_dataset_fingerprint(records, other, 512, "alpaca")
+            == _dataset_fingerprint(records, chat_tokenizer, 512, "alpaca"))

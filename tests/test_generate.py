@@ -1,12 +1,15 @@
 """examples/generate.py: base vs ReFT answers of a trained run, and two runs compared."""
 
+import importlib.util
+import json
 import shutil
 
 import pytest
 import torch
-from conftest import REPO, run_script
+from conftest import REPO, run_in_process, run_script
 
-from alpaca.generation import answer
+from alpaca.data import render_prompt
+from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
 from alpaca.model import build_reft_model, load_base_model
 from alpaca.output import load_reft_model, save_interventions
 
@@ -76,3 +79,34 @@ def test_generate_needs_a_training_output(tmp_path):
     result = run_script([GENERATE, "--reft_dir", str(tmp_path)])
     assert result.returncode == 2
     assert "has no training_args.json" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny_data, tmp_path, monkeypatch, capsys):
+    """train.py --prompt_template chat records the template; its sample answers and examples/generate.py on its
+    output build their prompts with the tokenizer's chat template."""
+    import alpaca.generation
+
+    prompts = []
+
+    def recording_render_prompt(tokenizer, instruction, input, prompt_template):
+        prompts.append(render_prompt(tokenizer, instruction, input, prompt_template))
+        return prompts[-1]
+
+    monkeypatch.setattr(alpaca.generation, "render_prompt", recording_render_prompt)
+    output_dir = tmp_path / "chat"
+    status, stdout, stderr = run_in_process("train.py", [
+        "--model_name_or_path", tiny_chat_model, "--data_path", tiny_data, "--output_dir", output_dir,
+        "--prompt_template", "chat", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers", "1",
+        "--max_new_tokens", "4"])
+    assert status == 0, stderr[-3000:]
+    assert json.loads((output_dir / "training_args.json").read_text())["prompt_template"] == "chat"
+    chat_prompt = f"<s><|im_start|>user\n{SAMPLE_INSTRUCTIONS[0]}</s>\n<|im_start|>assistant\n"
+    assert prompts == [chat_prompt] and f"Instruction: {SAMPLE_INSTRUCTIONS[0]}" in stdout
+
+    prompts.clear()
+    spec = importlib.util.spec_from_file_location("generate_example", GENERATE)
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    generate.main(["--reft_dir", str(output_dir), "--instruction", INSTRUCTIONS[0], "--max_new_tokens", "4"])
+    assert prompts == [f"<s><|im_start|>user\n{INSTRUCTIONS[0]}</s>\n<|im_start|>assistant\n"]
+    assert f"Instruction: {INSTRUCTIONS[0]}" in capsys.readouterr().out
