@@ -226,15 +226,15 @@ def run(args, device, backend: str, started: float) -> None:
         dist.all_gather_object(rng_states, rng_state(device))
         global_window = window.clone()  # the logging window so far, summed over ranks
         dist.all_reduce(global_window)
-        # DeepSpeed's partitions assemble into the full state on every rank (collectives)
-        full_optimizer_state = (None if engine is None else
-                                deepspeed_optimizer_state(engine, optimizer, parameter_groups))
+        # Under DeepSpeed every rank assembles torch's full state from the partitions (collectives).
+        optimizer_state = (optimizer.state_dict() if engine is None
+                           else deepspeed_optimizer_state(engine, optimizer, parameter_groups))
         with zero3_gathered(reft_model.interventions, deepspeed_config):
             return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
                 step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(),
-                optimizer_state=optimizer.state_dict() if engine is None else full_optimizer_state,
-                scheduler=scheduler, rng_states=rng_states, args=args, world_size=world_size, num_examples=len(dataset),
-                wandb_run_id=metrics.wandb_run_id), args.save_total_limit), participate=is_main, device=device)
+                optimizer_state=optimizer_state, scheduler=scheduler, rng_states=rng_states, args=args,
+                world_size=world_size, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id),
+                args.save_total_limit), participate=is_main, device=device)
 
     # -- data: each rank's share of each global batch, one item per optimizer step, collated in workers ------
     sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,

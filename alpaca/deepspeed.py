@@ -47,7 +47,7 @@ def load_config(args, world_size: int) -> dict:
     zero = config.setdefault("zero_optimization", {})
     stage = zero.get("stage")
     if stage not in (1, 2, 3):
-        raise UsageError(f"{where}: zero_optimization.stage {stage!r} does not exist here; use 1 or 2 (stage 0 is "
+        raise UsageError(f"{where}: zero_optimization.stage {stage!r} does not exist here; use 1, 2 or 3 (stage 0 is "
                          "plain data parallelism: train without --deepspeed)")
     from_flags = {
         "train_micro_batch_size_per_gpu": (args.per_device_train_batch_size, "--per_device_train_batch_size"),
