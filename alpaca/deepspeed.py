@@ -12,7 +12,8 @@ interventions are gathered on every rank before rank 0 alone reads them for an o
 
 Checkpoints are ours (alpaca.checkpoint), never DeepSpeed's (its loader unpickles arbitrary objects): the
 optimizer state is written as torch's AdamW writes it without DeepSpeed, full per parameter, assembled from
-and spread back to the partitions with DeepSpeed's public safe_get/safe_set functions.
+and spread back to the partitions with DeepSpeed's public safe_get/safe_set functions. So a checkpoint written
+without DeepSpeed resumes under it (tested from train.py's), and, the format being the same, the other way.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def check_for_device(config: dict, path: str, device: torch.device) -> None:
     for section in ("offload_optimizer", "offload_param"):
         offload = config["zero_optimization"].get(section, {}).get("device", "none")
         if offload != "none" and device.type != "cuda":
+            example = "zero3.json" if zero_stage(config) == 3 else "zero2.json"
             raise UsageError(f'--deepspeed {path}: zero_optimization.{section} moves state from GPUs to the CPU; '
-                             'on CPUs set its "device" to "none" (examples/deepspeed/zero3.json)')
+                             f'on CPUs set its "device" to "none" (examples/deepspeed/{example})')
 
 
 class ReftModule(torch.nn.Module):
