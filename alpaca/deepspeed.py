@@ -120,6 +120,10 @@ def initialize(reft_model, optimizer, scheduler, config: dict):
     import deepspeed
 
     zero = config["zero_optimization"]
+    if zero["stage"] == 3 and reft_model.model.device.type == "cpu":
+        from alpaca.sharding import return_freed_buffers_to_the_os
+
+        return_freed_buffers_to_the_os()  # as under --fsdp: each forward gathers and frees whole modules
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":
             zero[key] = rule(reft_model.model.config.hidden_size)
