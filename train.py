@@ -127,9 +127,9 @@ def train(args) -> None:
     def checkpoint(epoch: int, next_batch: int):
         """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the plan."""
         return save_checkpoint(args.output_dir, step, reft_model, trainer_state(
-            step=step, epoch=epoch, next_batch=next_batch, window=window.tolist(), optimizer=optimizer,
-            scheduler=scheduler, rng_states=[rng_state(device)], args=args, world_size=1,
-            num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit)
+            step=step, epoch=epoch, next_batch=next_batch, window=window.tolist(),
+            optimizer_state=optimizer.state_dict(), scheduler=scheduler, rng_states=[rng_state(device)], args=args,
+            world_size=1, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit)
 
     # -- data: one item per optimizer step, its micro-batches collated (in workers, ahead of the step) -------
     sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,

@@ -94,9 +94,12 @@ def run(args, device, backend: str, started: float) -> None:
         load_splits,
         prepare_dataset,
     )
-    from alpaca.deepspeed import check_for_device
+    from alpaca.deepspeed import check_for_device, zero_stage
+    from alpaca.deepspeed import gathered as zero3_gathered
     from alpaca.deepspeed import initialize as deepspeed_initialize
+    from alpaca.deepspeed import load_optimizer_state as deepspeed_load_optimizer_state
     from alpaca.deepspeed import micro_step as deepspeed_micro_step
+    from alpaca.deepspeed import optimizer_state as deepspeed_optimizer_state
     from alpaca.distributed import (
         average_gradients,
         broadcast_from_rank_zero,
@@ -130,8 +133,11 @@ def run(args, device, backend: str, started: float) -> None:
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
-    if args.deepspeed:
-        check_for_device(args.deepspeed_config, args.deepspeed, device)
+    deepspeed_config = args.deepspeed_config if args.deepspeed else None
+    if deepspeed_config:
+        check_for_device(deepspeed_config, args.deepspeed, device)
+    # A sharded base answers only when every rank runs each forward (evaluation, sample answers).
+    shards_base = bool(args.fsdp) or bool(deepspeed_config) and zero_stage(deepspeed_config) == 3
     # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
     resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
 
@@ -164,6 +170,7 @@ def run(args, device, backend: str, started: float) -> None:
     # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
     plan = StepPlan.from_args(args, len(dataset), world_size)
     optimizer, scheduler = build_optimizer(reft_model, args, plan)
+    parameter_groups = [list(group["params"]) for group in optimizer.param_groups]  # DeepSpeed swaps them out
     step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
     # broadcast_object_list needs the resume decision on every rank, not only rank 0
     resume = [resume_from]
@@ -172,8 +179,10 @@ def run(args, device, backend: str, started: float) -> None:
         # Rank 0 reads the checkpoint and sends it: other nodes need not see rank 0's disk.
         loaded = [run_checked(lambda: load_checkpoint(resume[0]), participate=is_main, device=device)]
         dist.broadcast_object_list(loaded, src=0)
+        # Under DeepSpeed the optimizer state goes into its partitions, once its engine exists.
         step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
-            loaded[0], args, reft_model, optimizer, scheduler, rank, world_size, len(dataset), device)
+            loaded[0], args, reft_model, None if args.deepspeed else optimizer, scheduler, rank, world_size,
+            len(dataset), device)
 
     # -- DDP, FSDP for the base, or DeepSpeed ZeRO: only the interventions train ---------------------
     engine = None  # DeepSpeed's: it reduces, clips and steps
@@ -187,7 +196,9 @@ def run(args, device, backend: str, started: float) -> None:
         broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
         train_model = reft_model
     elif args.deepspeed:
-        engine = train_model = deepspeed_initialize(reft_model, optimizer, scheduler, args.deepspeed_config)
+        engine = train_model = deepspeed_initialize(reft_model, optimizer, scheduler, deepspeed_config)
+        if resume[0] is not None:
+            deepspeed_load_optimizer_state(engine, optimizer, parameter_groups, loaded[0][1]["optimizer"])
     else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
         # fixed base) never change: no re-broadcast before each forward.
         train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
@@ -196,7 +207,7 @@ def run(args, device, backend: str, started: float) -> None:
     backward = torch.Tensor.backward if engine is None else lambda loss: deepspeed_micro_step(engine, loss)
     base_bytes = local_parameter_bytes(model)
     layout = ("sharded (FSDP)" if args.fsdp else "replicated (DDP)" if engine is None else
-              f"replicated (DeepSpeed ZeRO-{args.deepspeed_config['zero_optimization']['stage']})")
+              f"{'sharded' if shards_base else 'replicated'} (DeepSpeed ZeRO-{zero_stage(deepspeed_config)})")
     if is_main:
         print(f"{describe(reft_model, len(dataset), device)}\n"
               f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
@@ -217,11 +228,15 @@ def run(args, device, backend: str, started: float) -> None:
         dist.all_gather_object(rng_states, rng_state(device))
         global_window = window.clone()  # the logging window so far, summed over ranks
         dist.all_reduce(global_window)
-        return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
-            step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(), optimizer=optimizer,
-            scheduler=scheduler, rng_states=rng_states, args=args, world_size=world_size,
-            num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit),
-            participate=is_main, device=device)
+        # Under DeepSpeed every rank assembles torch's full state from the partitions (collectives).
+        optimizer_state = (optimizer.state_dict() if engine is None
+                           else deepspeed_optimizer_state(engine, optimizer, parameter_groups))
+        with zero3_gathered(reft_model.interventions, deepspeed_config):
+            return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
+                step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(),
+                optimizer_state=optimizer_state, scheduler=scheduler, rng_states=rng_states, args=args,
+                world_size=world_size, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id),
+                args.save_total_limit), participate=is_main, device=device)
 
     # -- data: each rank's share of each global batch, one item per optimizer step, collated in workers ------
     sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
@@ -236,10 +251,10 @@ def run(args, device, backend: str, started: float) -> None:
                         generator=torch.Generator())
     # What a rank whose share of a (partial) global batch falls short of its micro-steps runs, at zero weight.
     placeholder = collate([dataset[0]])
-    # Each rank evaluates every world_size-th batch; under FSDP all ranks run as many forwards.
+    # Each rank evaluates every world_size-th batch; with a sharded base all ranks run as many forwards.
     eval_plan = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
                  if eval_dataset else [])
-    eval_forwards = -(-len(eval_plan) // world_size) if args.fsdp else None
+    eval_forwards = -(-len(eval_plan) // world_size) if shards_base else None
     # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
     host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
 
@@ -354,8 +369,9 @@ def run(args, device, backend: str, started: float) -> None:
 
     # A sharded base answers only with every rank taking part; a replicated one on rank 0 alone.
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
-               if args.num_sample_answers > 0 and (is_main or args.fsdp) else None)
-    run_checked(write_outputs, participate=is_main, device=device)
+               if args.num_sample_answers > 0 and (is_main or shards_base) else None)
+    with zero3_gathered(reft_model.interventions, deepspeed_config):
+        run_checked(write_outputs, participate=is_main, device=device)
 
 
 def quiet_non_main_rank() -> None:

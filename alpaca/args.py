@@ -243,8 +243,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
              help="shard the frozen base model across ranks (FSDP2); HF-style values are accepted: "
                   "'full_shard auto_wrap', and 'offload' keeps the shards in CPU memory (CUDA only)")
         flag("--deepspeed", default=None, metavar="CONFIG.json",
-             help="DeepSpeed ZeRO (stage 1 or 2) with this config (HF's format: examples/deepspeed/); "
-                  "\"auto\" values come from the flags")
+             help="DeepSpeed ZeRO (stage 1, 2 or 3; 3 also partitions the frozen base) with this config "
+                  "(HF's format: examples/deepspeed/); \"auto\" values come from the flags")
     return parser
 
 
@@ -277,9 +277,6 @@ def validate(args: argparse.Namespace) -> None:
     if getattr(args, "deepspeed", None):
         if args.fsdp:
             raise UsageError("--fsdp and --deepspeed are exclusive; pick one")
-        if args.save_strategy != "no" or args.resume_from_checkpoint:
-            raise UsageError("--deepspeed does not save or resume checkpoints yet; use --save_strategy no, or DDP "
-                             "or --fsdp")
         from alpaca.deepspeed import load_config
 
         args.deepspeed_config = load_config(args, int(os.environ.get("WORLD_SIZE", 1)))

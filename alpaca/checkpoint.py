@@ -270,11 +270,13 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
 def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, optimizer,
                            scheduler, rank: int, world_size: int, num_examples: int, device: torch.device):
     """Load a checkpoint into the training objects; returns where training goes on:
-    (step, epoch, next batch, logging window, wandb run id)."""
+    (step, epoch, next batch, logging window, wandb run id). `optimizer` None: the caller loads the
+    optimizer state later (DeepSpeed's partitions exist only once its engine does)."""
     states, saved = checkpoint
     check_resumable(saved, args, world_size, num_examples)
     load_intervention_states(reft_model, states)
-    optimizer.load_state_dict(saved["optimizer"])
+    if optimizer is not None:
+        optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
         restore_rng_state(saved["rng"][rank], device)
@@ -348,12 +350,13 @@ def remove_stale_staging(output_dir: str | os.PathLike) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float], optimizer, scheduler,
+def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float], optimizer_state: dict, scheduler,
                   rng_states: list[dict], args: argparse.Namespace, world_size: int, num_examples: int,
                   wandb_run_id: str | None) -> dict:
-    """Everything besides the interventions that an exact resume needs."""
+    """Everything besides the interventions that an exact resume needs. `optimizer_state` is torch's
+    `optimizer.state_dict()` (under DeepSpeed: alpaca.deepspeed.optimizer_state, the same format)."""
     return {"step": step, "epoch": epoch, "next_batch": next_batch, "window": window,
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states,
+            "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_states,
             "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
             "wandb_run_id": wandb_run_id}
 

@@ -1,18 +1,27 @@
-"""--deepspeed CONFIG.json: DeepSpeed ZeRO stage 1 or 2 in place of DDP.
+"""--deepspeed CONFIG.json: DeepSpeed ZeRO (stage 1, 2 or 3) in place of DDP.
 
-The config is HF's (`examples/deepspeed/zero2.json`): "auto" values are filled from our flags, and values
-that disagree with the flags are refused. The optimizer and the schedule are ours (the flags), so are the
-step plan, the batches and the token-weighted loss: DeepSpeed partitions (ZeRO-1: the optimizer state,
-ZeRO-2: and the gradients), reduces, clips and steps.
+The config is HF's (`examples/deepspeed/`): "auto" values are filled from our flags (the bucket sizes of
+ZeRO-3 from the model's hidden size, as HF does), and values that disagree with the flags are refused. The
+optimizer and the schedule are ours (the flags), so are the step plan, the batches and the token-weighted
+loss: DeepSpeed partitions (ZeRO-1: the optimizer state, ZeRO-2: and the gradients, ZeRO-3: and the
+parameters, the frozen base's included), reduces, clips and steps.
 
-ZeRO-3 is refused for now: it trains the same model as DDP here, but reading the interventions for the
-output hangs. LoReFT's rotation is a parametrization, computed by calling a module, and ZeRO-3 fetches
-that module's parameter with a collective that only the saving rank reaches.
+Under ZeRO-3 a module's parameters exist whole only while it runs, gathered by a collective that DeepSpeed
+starts from hooks on the module: every rank must run every forward (evaluation, sample answers), and the
+interventions are gathered on every rank before rank 0 alone reads them for an output or a checkpoint.
+
+Checkpoints are ours (alpaca.checkpoint), never DeepSpeed's (its loader unpickles arbitrary objects): the
+optimizer state is written as torch's AdamW writes it without DeepSpeed, full per parameter, assembled from
+and spread back to the partitions with DeepSpeed's public safe_get/safe_set functions. So a checkpoint written
+without DeepSpeed resumes under it (tested from train.py's), and, the format being the same, the other way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -38,11 +47,8 @@ def load_config(args, world_size: int) -> dict:
         raise UsageError(f"{where}: a DeepSpeed config is a JSON object, got {type(config).__name__}")
     zero = config.setdefault("zero_optimization", {})
     stage = zero.get("stage")
-    if stage == 3:
-        raise UsageError(f"{where}: ZeRO-3 is not supported yet; use stage 1 or 2 (examples/deepspeed/zero2.json), "
-                         "or --fsdp to shard the base")
-    if stage not in (1, 2):
-        raise UsageError(f"{where}: zero_optimization.stage {stage!r} does not exist here; use 1 or 2 (stage 0 is "
+    if stage not in (1, 2, 3):
+        raise UsageError(f"{where}: zero_optimization.stage {stage!r} does not exist here; use 1, 2 or 3 (stage 0 is "
                          "plain data parallelism: train without --deepspeed)")
     from_flags = {
         "train_micro_batch_size_per_gpu": (args.per_device_train_batch_size, "--per_device_train_batch_size"),
@@ -71,12 +77,18 @@ def load_config(args, world_size: int) -> dict:
     return config
 
 
+def zero_stage(config: dict) -> int:
+    return config["zero_optimization"]["stage"]
+
+
 def check_for_device(config: dict, path: str, device: torch.device) -> None:
     """Offloading moves ZeRO's state from GPUs to the CPU: meaningless on a CPU."""
-    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
-    if offload != "none" and device.type != "cuda":
-        raise UsageError(f'--deepspeed {path}: zero_optimization.offload_optimizer moves state from GPUs to the CPU; '
-                         'on CPUs set its "device" to "none" (examples/deepspeed/zero2.json)')
+    for section in ("offload_optimizer", "offload_param"):
+        offload = config["zero_optimization"].get(section, {}).get("device", "none")
+        if offload != "none" and device.type != "cuda":
+            example = "zero3.json" if zero_stage(config) == 3 else "zero2.json"
+            raise UsageError(f'--deepspeed {path}: zero_optimization.{section} moves state from GPUs to the CPU; '
+                             f'on CPUs set its "device" to "none" (examples/deepspeed/{example})')
 
 
 class ReftModule(torch.nn.Module):
@@ -95,11 +107,26 @@ class ReftModule(torch.nn.Module):
         return self._reft_model[0](*args, **kwargs)
 
 
+# ZeRO-3's sizes that HF's "auto" derives from the model's hidden size h, by HF's rules
+MODEL_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+              "stage3_param_persistence_threshold": lambda h: 10 * h}
+
+
 def initialize(reft_model, optimizer, scheduler, config: dict):
-    """The DeepSpeed engine around the ReFT model, with our optimizer and schedule."""
+    """The DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
+    partitions the base and the interventions across the ranks."""
     import warnings
 
     import deepspeed
+
+    zero = config["zero_optimization"]
+    if zero["stage"] == 3 and reft_model.model.device.type == "cpu":
+        from alpaca.sharding import return_freed_buffers_to_the_os
+
+        return_freed_buffers_to_the_os()  # as under --fsdp: each forward gathers and frees whole modules
+    for key, rule in MODEL_AUTO.items():
+        if zero.get(key) == "auto":
+            zero[key] = rule(reft_model.model.config.hidden_size)
 
     # DeepSpeed's ZeRO-2 calls collectives under their deprecated names at every step
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed",
@@ -118,3 +145,83 @@ def micro_step(engine, loss: torch.Tensor) -> None:
     engine.backward(loss, scale_wrt_gas=False)
     engine.step()
 
+
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module, config: dict | None) -> Iterator[None]:
+    """Under ZeRO-3, every rank gathers the whole parameters of `module` for the block (collectives every
+    rank reaches), so that one rank alone can read them; it changes nothing else.
+
+    A parametrized weight (LoReFT's rotation) is computed by calling a module, whose hooks would gather its
+    parameters again, on the reading rank alone: every rank computes each such weight here, and the
+    reading rank finds it in torch's parametrization cache."""
+    if config is None or zero_stage(config) != 3:
+        yield
+        return
+    import deepspeed
+    from torch.nn.utils import parametrize
+
+    with parametrize.cached(), torch.no_grad():
+        for submodule in module.modules():
+            if parametrize.is_parametrized(submodule):
+                for name in submodule.parametrizations:
+                    getattr(submodule, name)
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            yield
+
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq")  # torch AdamW's per-parameter tensors, besides its step count
+
+
+def link_optimizer_state(engine) -> None:
+    """ZeRO-1/2 link each parameter to its slice of the optimizer state once, at the first step of the first
+    group, when AdamW has not yet created the other groups' state (DeepSpeed 0.19): the later groups' read as
+    missing. Linked again, every group's is there. ZeRO-3 reads the state where it is."""
+    zero_optimizer = engine.optimizer
+    if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        zero_optimizer._hp_optimizer_states_linked = False
+        zero_optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_groups: list[list[torch.nn.Parameter]]) -> dict:
+    """What `optimizer.state_dict()` is without DeepSpeed (torch's AdamW: per parameter, numbered in the order
+    of `parameter_groups`, its step, exp_avg and exp_avg_sq), assembled from the partitions. A collective:
+    every rank calls it. `optimizer` is ours, which DeepSpeed steps on its flat partitions."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    groups, start = [], 0
+    for group, members in zip(optimizer.param_groups, parameter_groups, strict=True):
+        groups.append({**{key: value for key, value in group.items() if key != "params"},
+                       "params": list(range(start, start + len(members)))})
+        start += len(members)
+    partition_states = list(optimizer.state.values())  # empty before the first step: AdamW creates it then
+    if not partition_states:
+        return {"state": {}, "param_groups": groups}
+    step = partition_states[0]["step"]  # the partitions step together
+    link_optimizer_state(engine)
+    state = {index: {"step": step.clone(), **{key: safe_get_full_optimizer_state(parameter, key).cpu()
+                                              for key in ADAM_STATE}}
+             for index, parameter in enumerate(itertools.chain(*parameter_groups))}
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_groups: list[list[torch.nn.Parameter]],
+                         saved: dict) -> None:
+    """Spread an optimizer state of `optimizer_state` (or of torch's AdamW under DDP: the same format) over
+    the partitions. A collective: every rank calls it."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+    if not saved["state"]:
+        return
+    # AdamW creates its state at its first step: a resumed run fills it before, so it creates it. ZeRO-3 keeps
+    # its flat partitions out of the optimizer's groups between steps.
+    partitions = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or [
+        partition for group in optimizer.param_groups for partition in group["params"]]
+    step = saved["state"][0]["step"]
+    for partition in partitions:
+        optimizer.state[partition] = {"step": step.clone(), **{key: torch.zeros_like(partition) for key in ADAM_STATE}}
+    link_optimizer_state(engine)
+    for index, parameter in enumerate(itertools.chain(*parameter_groups)):
+        for key in ADAM_STATE:
+            safe_set_full_optimizer_state(parameter, saved["state"][index][key].to(partitions[0].device), key)

@@ -115,10 +115,17 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
 
 
 def local_parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of parameters this rank holds: its shards of sharded (DTensor) parameters, the rest whole."""
+    """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
+    partitions), the rest whole."""
     from torch.distributed.tensor import DTensor
 
-    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+    def held(parameter: torch.Tensor) -> int:
+        if isinstance(parameter, DTensor):
+            return parameter.to_local().nbytes
+        # ZeRO-3: the partition, plus the whole tensor while it is gathered (empty between forwards)
+        return parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
+
+    return sum(held(parameter) for parameter in module.parameters())
 
 
 def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:

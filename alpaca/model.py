@@ -177,8 +177,11 @@ def new_intervention(intervention_class, hidden_size: int, rank: int, dtype: tor
 
 
 def describe(reft_model, num_examples: int, device) -> str:
-    trainable = sum(p.numel() for _, p in intervention_parameters(reft_model))
-    base = sum(p.numel() for p in reft_model.model.parameters())
+    def numel(parameter: torch.Tensor) -> int:
+        return getattr(parameter, "ds_numel", parameter.numel())  # ZeRO-3 partitioned: the whole tensor's count
+
+    trainable = sum(numel(p) for _, p in intervention_parameters(reft_model))
+    base = sum(numel(p) for p in reft_model.model.parameters())
     return (f"{num_examples} examples | {trainable:,} trainable parameters in {len(reft_model.interventions)} "
             f"interventions | base model {base:,} parameters ({reft_model.model.dtype}) on {device}")
 

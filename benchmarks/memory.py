@@ -1,4 +1,4 @@
-"""Host memory per rank: DDP, --fsdp and --deepspeed ZeRO-2, on 1, 2 and 4 processes (CPU, gloo).
+"""Host memory per rank: DDP, --fsdp and --deepspeed ZeRO-2 and ZeRO-3, on 1, 2 and 4 processes (CPU, gloo).
 
     python benchmarks/memory.py                                   # SmolLM2 and a random 0.49B model, all
     python benchmarks/memory.py --models smollm2 --nproc 2 --strategies ddp fsdp
@@ -6,9 +6,9 @@
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
 runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
 file pages it maps, such as a memory-mapped checkpoint) and the peak of RssAnon (private memory only).
-"params" is the base-model parameter bytes the rank holds (its shards under --fsdp). Every figure is also
-given as a ratio to one model copy, the base's parameter bytes in the training dtype. Parameter bytes
-are not process memory: the RSS figures are what decides whether a job fits on a host.
+"params" is the base-model parameter bytes the rank holds (its shards under --fsdp, its partitions under
+ZeRO-3). Every figure is also given as a ratio to one model copy, the base's parameter bytes in the
+training dtype. Parameter bytes are not process memory: the RSS figures are what decides whether a job fits on a host.
 
 The random model is saved in bfloat16 and trained in float32, as a bf16 hub checkpoint trained in another
 dtype would be: without sharded loading, every rank then holds a full private float32 copy.
@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
 STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
-              "zero2": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")]}
+              "zero2": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")],
+              "zero3": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")]}
 # hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
 # in float32
 RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,

@@ -18,16 +18,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
+import alpaca.deepspeed  # noqa: E402
 import alpaca.optim  # noqa: E402
 import alpaca.output  # noqa: E402
 
 mode, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0))
 on_this_rank = os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")
-clip_gradients = alpaca.optim.clip_gradients
+clip_gradients, deepspeed_micro_step = alpaca.optim.clip_gradients, alpaca.deepspeed.micro_step
 steps = 0
 
 
-def clip_gradients_with_fault(*args, **kwargs):
+def count_step_with_fault() -> None:
+    """A step's update is about to happen."""
     global steps
     steps += 1
     if mode and steps == fault_step and on_this_rank:
@@ -37,7 +39,17 @@ def clip_gradients_with_fault(*args, **kwargs):
             os.kill(os.getpid(), signal.Signals[mode.upper()])
         elif mode == "raise":
             raise RuntimeError(f"injected failure at step {steps}")
+
+
+def clip_gradients_with_fault(*args, **kwargs):
+    count_step_with_fault()
     return clip_gradients(*args, **kwargs)
+
+
+def deepspeed_micro_step_with_fault(engine, loss):
+    if engine.is_gradient_accumulation_boundary():  # the step's last micro-batch: DeepSpeed updates after it
+        count_step_with_fault()
+    return deepspeed_micro_step(engine, loss)
 
 
 save_interventions = alpaca.output.save_interventions
@@ -66,6 +78,7 @@ def write_file_with_fault(path, data: bytes) -> None:
 
 # The scripts import these when they start training.
 alpaca.optim.clip_gradients = clip_gradients_with_fault
+alpaca.deepspeed.micro_step = deepspeed_micro_step_with_fault
 alpaca.output.save_interventions = save_interventions_with_fault  # the final output
 alpaca.checkpoint.save_interventions = save_interventions_with_fault  # checkpoints
 alpaca.checkpoint.save_checkpoint = save_checkpoint_with_fault

@@ -1,40 +1,56 @@
-"""train_multigpu.py --deepspeed CONFIG.json (ZeRO-1 and ZeRO-2, gloo on CPU): the model DDP trains, and clear
-errors for configs that cannot work."""
+"""train_multigpu.py --deepspeed CONFIG.json (ZeRO-1, 2 and 3, gloo on CPU): the model DDP trains, exact resume
+from its checkpoints, and clear errors for configs that cannot work."""
 
 import json
+import shutil
 
 import pytest
 import torch
-from conftest import REPO, assert_same_run, intervention_weights, run_script, torchrun
+from conftest import DDP, FAULTS, REPO, assert_same_run, flags, intervention_weights, run_script, torchrun
 
+from alpaca.checkpoint import TRAINER_STATE, checkpoints
 from alpaca.model import load_base_model
 from alpaca.output import load_reft_model, read_metrics
 
-ZERO2 = REPO / "examples" / "deepspeed" / "zero2.json"
+CONFIGS = REPO / "examples" / "deepspeed"
+ZERO2 = CONFIGS / "zero2.json"
 
 
-def config_file(directory, **changes):
-    config = json.loads(ZERO2.read_text())
-    config["zero_optimization"].update(changes.pop("zero_optimization", {}))
-    config.update(changes)
-    path = directory / "ds_config.json"
+def config_file(directory, stage: int):
+    """The shipped config of `stage` (zero2.json for 1 and 2). Under ZeRO-3 every parameter of the tiny model
+    stays partitioned between forwards (DeepSpeed keeps small ones whole, by default below 10 x hidden size)."""
+    config = json.loads((CONFIGS / ("zero3.json" if stage == 3 else "zero2.json")).read_text())
+    config["zero_optimization"]["stage"] = stage
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = directory / f"zero{stage}.json"
     path.write_text(json.dumps(config))
     return path
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_trains_the_same_model_as_ddp(runs, tmp_path, tiny_model, stage):
     """The DDP run of test_multigpu (accumulation 2, a partial last global batch where rank 1's last micro-batch
     is empty, eval every 4 steps), under ZeRO: the same weights, losses, eval losses and per-step gradient
-    norms (which a constant factor in the gradient would change, though AdamW hides it from the weights)."""
+    norms (which a constant factor in the gradient would change, though AdamW hides it from the weights).
+    ZeRO-3 partitions the base: each rank holds half of its parameters, and both run every forward of the
+    evaluation (3 batches: 2 on rank 0, 1 on rank 1) and of the sample answer."""
     root, data = runs
+    extra = ["--num_sample_answers", "1", "--max_new_tokens", "4"] if stage == 3 else []
     result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(tmp_path / "out"),
                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                          "--deepspeed", str(config_file(tmp_path, zero_optimization={"stage": stage}))])
+                          "--deepspeed", str(config_file(tmp_path, stage)), *extra])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"DeepSpeed ZeRO-{stage}" in result.stdout
+    layout = "sharded" if stage == 3 else "replicated"
+    assert f"base model {layout} (DeepSpeed ZeRO-{stage})" in result.stdout
     assert_same_run(tmp_path / "out", root / "ddp")
     assert len([r for r in read_metrics(tmp_path / "out") if "grad_norm" in r]) == 9
+
+    base_bytes = [json.loads((path / "training_args.json").read_text())["base_parameter_bytes_per_rank"]
+                  for path in (tmp_path / "out", root / "ddp")]
+    assert base_bytes[0] == pytest.approx(base_bytes[1] / 2 if stage == 3 else base_bytes[1], rel=0.02), base_bytes
+    if stage == 3:
+        assert "rank 0: " in result.stdout and "Instruction: Name three primary colors." in result.stdout
 
     base, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
     reft_model = load_reft_model(tmp_path / "out", base)
@@ -47,8 +63,7 @@ BAD_CONFIGS = [
     # (name, config text or None for a missing file, extra flags, what stderr must say)
     ("missing file", None, [], "cannot read it"),
     ("invalid json", '{"zero_optimization": {"stage": 2},}', [], "invalid JSON at line 1"),
-    ("stage 7", json.dumps({"zero_optimization": {"stage": 7}}), [], "stage 7 does not exist here; use 1 or 2"),
-    ("stage 3", json.dumps({"zero_optimization": {"stage": 3}}), [], "ZeRO-3 is not supported yet"),
+    ("stage 7", json.dumps({"zero_optimization": {"stage": 7}}), [], "stage 7 does not exist here; use 1, 2 or 3"),
     ("micro-batch", json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}), [],
      "train_micro_batch_size_per_gpu 4 disagrees with --per_device_train_batch_size (2)"),
     ("optimizer", json.dumps({"zero_optimization": {"stage": 2},
@@ -56,8 +71,11 @@ BAD_CONFIGS = [
      'optimizer {"lr": 0.0003}: the optimizer comes from --learning_rate'),
     ("offload on cpu", json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}), [],
      "offload_optimizer moves state from GPUs to the CPU"),
+    ("zero3 offload on cpu", (CONFIGS / "zero3_offload.json").read_text(), [],
+     "offload_optimizer moves state from GPUs to the CPU"),
+    ("zero3 param offload on cpu", json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
+     [], "offload_param moves state from GPUs to the CPU"),
     ("with fsdp", ZERO2.read_text(), ["--fsdp"], "--fsdp and --deepspeed are exclusive"),
-    ("checkpoints", ZERO2.read_text(), ["--save_strategy", "steps"], "does not save or resume checkpoints yet"),
 ]
 
 
@@ -74,3 +92,60 @@ def test_bad_deepspeed_config(tiny_model, tiny_data, tmp_path, name, text, extra
     assert message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not output_dir.exists()
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def deepspeed_resumed(request, tiny_model, tiny_data, tmp_path_factory):
+    """Under ZeRO-`stage`, with the reference runs' flags (dropout, eval, checkpoints every 2 steps, logging every
+    3 steps): an uninterrupted run, and a run that rank 1 stops by SIGTERM in step 5 (inside a logging window
+    and an epoch), then resumed from the checkpoint the stop writes."""
+    stage = request.param
+    root = tmp_path_factory.mktemp(f"zero{stage}")
+    config = config_file(root, stage)
+    full, resumed = root / "full", root / "resumed"
+    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, full, *DDP, "--deepspeed", config)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = ["train_multigpu.py", *flags(tiny_model, tiny_data, resumed, *DDP, "--deepspeed", config)]
+    stopped = torchrun(2, [FAULTS, *args], env={"FAULT": "sigterm", "FAULT_STEP": "5", "FAULT_RANK": "1"})
+    assert stopped.returncode != 0 and "stopped by a signal to another rank after step 5" in stopped.stderr, \
+        stopped.stderr[-3000:]
+    assert checkpoints(resumed)[-1].name == "checkpoint-5"
+    result = torchrun(2, [*args, "--resume_from_checkpoint", "auto"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 5" in result.stdout
+    return stage, full, resumed
+
+
+def test_deepspeed_resume_is_bit_identical(deepspeed_resumed, tiny_model):
+    """The same weights, losses, grad norms and eval losses, bit for bit; the checkpoint loads as an output."""
+    _, full, resumed = deepspeed_resumed
+    assert_same_run(resumed, full, exact=True)
+    base, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
+    load_reft_model(resumed / "checkpoint-5", base)
+
+
+def test_a_single_process_checkpoint_resumes_under_zero3(tiny_model, tiny_data, tmp_path, reference):
+    """The optimizer state of a checkpoint is torch AdamW's, whole per parameter, under DeepSpeed as without it:
+    train.py's checkpoint-4 (one process, no dropout) resumes under ZeRO-3 on 2 ranks, which ends with the
+    uninterrupted run's weights and logged values, and writes checkpoints whose optimizer state is that run's,
+    within float noise."""
+    expected = reference / "single-no-dropout"
+    shutil.copytree(expected, tmp_path, dirs_exist_ok=True)
+    for path in [*checkpoints(tmp_path)[2:], *tmp_path.glob("intkey_*.bin")]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps",
+                                                      "2", "--dropout", "0", "--deepspeed", config_file(tmp_path, 3)),
+                          "--resume_from_checkpoint", "auto"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 4" in result.stdout
+    assert_same_run(tmp_path, expected)
+    for name in ("checkpoint-6", "checkpoint-8"):
+        saved, uninterrupted = (torch.load(path / name / TRAINER_STATE, weights_only=True)["optimizer"]
+                                for path in (tmp_path, expected))
+        assert saved["param_groups"] == uninterrupted["param_groups"]
+        assert saved["state"].keys() == uninterrupted["state"].keys()
+        for index, state in uninterrupted["state"].items():
+            assert torch.equal(saved["state"][index]["step"], state["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                deviation = (saved["state"][index][key] - state[key]).norm() / state[key].norm()
+                assert deviation <= 1e-4, (name, index, key, deviation.item())
