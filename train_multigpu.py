@@ -74,6 +74,7 @@ def run(args, device, backend: str, started: float) -> None:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
+    from alpaca import deepspeed as zero  # the --deepspeed strategy (DeepSpeed ZeRO)
     from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
@@ -94,12 +95,6 @@ def run(args, device, backend: str, started: float) -> None:
         load_splits,
         prepare_dataset,
     )
-    from alpaca.deepspeed import check_for_device, zero_stage
-    from alpaca.deepspeed import gathered as zero3_gathered
-    from alpaca.deepspeed import initialize as deepspeed_initialize
-    from alpaca.deepspeed import load_optimizer_state as deepspeed_load_optimizer_state
-    from alpaca.deepspeed import micro_step as deepspeed_micro_step
-    from alpaca.deepspeed import optimizer_state as deepspeed_optimizer_state
     from alpaca.distributed import (
         average_gradients,
         broadcast_from_rank_zero,
@@ -135,9 +130,9 @@ def run(args, device, backend: str, started: float) -> None:
     position = parse_position(args.position)
     deepspeed_config = args.deepspeed_config if args.deepspeed else None
     if deepspeed_config:
-        check_for_device(deepspeed_config, args.deepspeed, device)
+        zero.check_for_device(deepspeed_config, args.deepspeed, device)
     # A sharded base answers only when every rank runs each forward (evaluation, sample answers).
-    shards_base = bool(args.fsdp) or bool(deepspeed_config) and zero_stage(deepspeed_config) == 3
+    shards_base = bool(args.fsdp) or bool(deepspeed_config) and zero.stage(deepspeed_config) == 3
     # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
     resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
 
@@ -196,18 +191,18 @@ def run(args, device, backend: str, started: float) -> None:
         broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
         train_model = reft_model
     elif args.deepspeed:
-        engine = train_model = deepspeed_initialize(reft_model, optimizer, scheduler, deepspeed_config)
+        engine = train_model = zero.initialize(reft_model, optimizer, scheduler, deepspeed_config)
         if resume[0] is not None:
-            deepspeed_load_optimizer_state(engine, optimizer, parameter_groups, loaded[0][1]["optimizer"])
+            zero.load_optimizer_state(engine, optimizer, parameter_groups, loaded[0][1]["optimizer"])
     else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
         # fixed base) never change: no re-broadcast before each forward.
         train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
                                               device_ids=[local_rank] if device.type == "cuda" else None)
     check_replicated(parameters, device, ddp_model=None if args.fsdp or args.deepspeed else train_model)
-    backward = torch.Tensor.backward if engine is None else lambda loss: deepspeed_micro_step(engine, loss)
+    backward = torch.Tensor.backward if engine is None else lambda loss: zero.micro_step(engine, loss)
     base_bytes = local_parameter_bytes(model)
     layout = ("sharded (FSDP)" if args.fsdp else "replicated (DDP)" if engine is None else
-              f"{'sharded' if shards_base else 'replicated'} (DeepSpeed ZeRO-{zero_stage(deepspeed_config)})")
+              f"{'sharded' if shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(deepspeed_config)})")
     if is_main:
         print(f"{describe(reft_model, len(dataset), device)}\n"
               f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
@@ -230,8 +225,8 @@ def run(args, device, backend: str, started: float) -> None:
         dist.all_reduce(global_window)
         # Under DeepSpeed every rank assembles torch's full state from the partitions (collectives).
         optimizer_state = (optimizer.state_dict() if engine is None
-                           else deepspeed_optimizer_state(engine, optimizer, parameter_groups))
-        with zero3_gathered(reft_model.interventions, deepspeed_config):
+                           else zero.optimizer_state(engine, optimizer, parameter_groups))
+        with zero.gathered(reft_model.interventions, deepspeed_config):
             return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
                 step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(),
                 optimizer_state=optimizer_state, scheduler=scheduler, rng_states=rng_states, args=args,
@@ -370,7 +365,7 @@ def run(args, device, backend: str, started: float) -> None:
     # A sharded base answers only with every rank taking part; a replicated one on rank 0 alone.
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
                if args.num_sample_answers > 0 and (is_main or shards_base) else None)
-    with zero3_gathered(reft_model.interventions, deepspeed_config):
+    with zero.gathered(reft_model.interventions, deepspeed_config):
         run_checked(write_outputs, participate=is_main, device=device)
 
 

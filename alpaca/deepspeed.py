@@ -77,7 +77,7 @@ def load_config(args, world_size: int) -> dict:
     return config
 
 
-def zero_stage(config: dict) -> int:
+def stage(config: dict) -> int:
     return config["zero_optimization"]["stage"]
 
 
@@ -86,7 +86,7 @@ def check_for_device(config: dict, path: str, device: torch.device) -> None:
     for section in ("offload_optimizer", "offload_param"):
         offload = config["zero_optimization"].get(section, {}).get("device", "none")
         if offload != "none" and device.type != "cuda":
-            example = "zero3.json" if zero_stage(config) == 3 else "zero2.json"
+            example = "zero3.json" if stage(config) == 3 else "zero2.json"
             raise UsageError(f'--deepspeed {path}: zero_optimization.{section} moves state from GPUs to the CPU; '
                              f'on CPUs set its "device" to "none" (examples/deepspeed/{example})')
 
@@ -154,7 +154,7 @@ def gathered(module: torch.nn.Module, config: dict | None) -> Iterator[None]:
     A parametrized weight (LoReFT's rotation) is computed by calling a module, whose hooks would gather its
     parameters again, on the reading rank alone: every rank computes each such weight here, and the
     reading rank finds it in torch's parametrization cache."""
-    if config is None or zero_stage(config) != 3:
+    if config is None or stage(config) != 3:
         yield
         return
     import deepspeed
