@@ -20,7 +20,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

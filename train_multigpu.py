@@ -130,7 +130,7 @@ def run(args, device, backend: str, started: float) -> None:
     position = parse_position(args.position)
     deepspeed_config = args.deepspeed_config if args.deepspeed else None
     if deepspeed_config:
-        zero.check_for_device(deepspeed_config, args.deepspeed, device)
+        zero.check_for_device(deepspeed_config, args.deepspeed, device, resolve_dtype(args.dtype, device))
     # A sharded base answers only when every rank runs each forward (evaluation, sample answers).
     shards_base = bool(args.fsdp) or bool(deepspeed_config) and zero.stage(deepspeed_config) == 3
     # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
@@ -198,7 +198,8 @@ def run(args, device, backend: str, started: float) -> None:
         # fixed base) never change: no re-broadcast before each forward.
         train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
                                               device_ids=[local_rank] if device.type == "cuda" else None)
-    check_replicated(parameters, device, ddp_model=None if args.fsdp or args.deepspeed else train_model)
+    with zero.gathered(reft_model.interventions, deepspeed_config):  # ZeRO-3 partitions them: compare them whole
+        check_replicated(parameters, device, ddp_model=None if args.fsdp or args.deepspeed else train_model)
     backward = torch.Tensor.backward if engine is None else lambda loss: zero.micro_step(engine, loss)
     base_bytes = local_parameter_bytes(model)
     layout = ("sharded (FSDP)" if args.fsdp else "replicated (DDP)" if engine is None else
@@ -363,7 +364,7 @@ def run(args, device, backend: str, started: float) -> None:
         print(f"Done in {time.perf_counter() - started:.0f}s.")
 
     # A sharded base answers only with every rank taking part; a replicated one on rank 0 alone.
-    answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
+    answers = (sample_answers(reft_model, tokenizer, args, position, num_layers, synced_ranks=shards_base)
                if args.num_sample_answers > 0 and (is_main or shards_base) else None)
     with zero.gathered(reft_model.interventions, deepspeed_config):
         run_checked(write_outputs, participate=is_main, device=device)

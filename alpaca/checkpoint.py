@@ -164,8 +164,9 @@ def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError) as error:
-        if isinstance(error, RuntimeError) and "writ" not in str(error):  # pyvene's torch.save reports a full
-            raise  # disk as a RuntimeError ("... failed writing file ..."); any other one is a bug, not storage
+        if isinstance(error, ConnectionError) or isinstance(error, RuntimeError) and "writ" not in str(error):
+            raise  # not storage: a tracker's network (an OSError too), or a bug. pyvene's torch.save reports a
+            # full disk as a RuntimeError ("... failed writing file ...")
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
         newest = latest_checkpoint(output_dir)
         raise StorageError(
@@ -308,6 +309,10 @@ def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: i
         raise UsageError(f"the checkpoint was written with --seed {trainer_state['seed']} on "
                          f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on "
                          f"{num_examples}; resume with the same data and seed")
+    saved_template = trainer_state.get("prompt_template", "alpaca")  # checkpoints from before the flag: alpaca
+    if saved_template != args.prompt_template:
+        raise UsageError(f"the checkpoint was trained with --prompt_template {saved_template}, this run has "
+                         f"{args.prompt_template}; resume with --prompt_template {saved_template}")
 
 
 def prepare_output_dir(args: argparse.Namespace) -> Path | None:
@@ -358,7 +363,7 @@ def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float]
     return {"step": step, "epoch": epoch, "next_batch": next_batch, "window": window,
             "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_states,
             "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
-            "wandb_run_id": wandb_run_id}
+            "prompt_template": args.prompt_template, "wandb_run_id": wandb_run_id}
 
 
 class StopSignal:

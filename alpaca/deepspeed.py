@@ -13,7 +13,10 @@ interventions are gathered on every rank before rank 0 alone reads them for an o
 Checkpoints are ours (alpaca.checkpoint), never DeepSpeed's (its loader unpickles arbitrary objects): the
 optimizer state is written as torch's AdamW writes it without DeepSpeed, full per parameter, assembled from
 and spread back to the partitions with DeepSpeed's public safe_get/safe_set functions. So a checkpoint written
-without DeepSpeed resumes under it (tested from train.py's), and, the format being the same, the other way.
+without DeepSpeed resumes under it (tested from train.py's); the other way is the same format, untested.
+
+Float32 only, for now: in bf16/fp16 DeepSpeed's flat groups mix pyreft's float32 rotation with the learned
+source in the model's dtype, and the forward fails (seen on CPU); such a run is refused with one line.
 """
 
 from __future__ import annotations
@@ -81,8 +84,12 @@ def stage(config: dict) -> int:
     return config["zero_optimization"]["stage"]
 
 
-def check_for_device(config: dict, path: str, device: torch.device) -> None:
-    """Offloading moves ZeRO's state from GPUs to the CPU: meaningless on a CPU."""
+def check_for_device(config: dict, path: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Offloading moves ZeRO's state from GPUs to the CPU: meaningless on a CPU. The model's dtype must be
+    float32 (see the module's docstring)."""
+    if dtype != torch.float32:
+        raise UsageError(f"--deepspeed {path}: training under DeepSpeed runs in float32 only for now (in {dtype} "
+                         "its flat groups mix pyreft's float32 rotation with the model's dtype); pass --dtype float32")
     for section in ("offload_optimizer", "offload_param"):
         offload = config["zero_optimization"].get(section, {}).get("device", "none")
         if offload != "none" and device.type != "cuda":
@@ -198,8 +205,8 @@ def optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_groups: 
         return {"state": {}, "param_groups": groups}
     step = partition_states[0]["step"]  # the partitions step together
     link_optimizer_state(engine)
-    state = {index: {"step": step.clone(), **{key: safe_get_full_optimizer_state(parameter, key).cpu()
-                                              for key in ADAM_STATE}}
+    state = {index: {"step": step.cpu().clone(),
+                     **{key: safe_get_full_optimizer_state(parameter, key).cpu() for key in ADAM_STATE}}
              for index, parameter in enumerate(itertools.chain(*parameter_groups))}
     return {"state": state, "param_groups": groups}
 
@@ -219,8 +226,11 @@ def load_optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_gro
     partitions = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or [
         partition for group in optimizer.param_groups for partition in group["params"]]
     step = saved["state"][0]["step"]
+    # torch's fused and capturable AdamW keep the step count on the device, the others on the CPU
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
     for partition in partitions:
-        optimizer.state[partition] = {"step": step.clone(), **{key: torch.zeros_like(partition) for key in ADAM_STATE}}
+        optimizer.state[partition] = {"step": step.clone().to(partition.device) if on_device else step.clone(),
+                                      **{key: torch.zeros_like(partition) for key in ADAM_STATE}}
     link_optimizer_state(engine)
     for index, parameter in enumerate(itertools.chain(*parameter_groups)):
         for key in ADAM_STATE:

@@ -122,7 +122,8 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
     def held(parameter: torch.Tensor) -> int:
         if isinstance(parameter, DTensor):
             return parameter.to_local().nbytes
-        # ZeRO-3: the partition, plus the whole tensor while it is gathered (empty between forwards)
+        # ZeRO-3: the partition, plus the whole tensor while it is gathered (between forwards, only small
+        # parameters below stage3_param_persistence_threshold stay whole)
         return parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
 
     return sum(held(parameter) for parameter in module.parameters())

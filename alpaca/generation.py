@@ -20,7 +20,7 @@ SAMPLE_INSTRUCTIONS = [
 @torch.no_grad()
 def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], share_weights: bool,
            num_layers: int, max_new_tokens: int = 96, input: str = "",
-           prompt_template: str = "alpaca") -> tuple[str, str]:
+           prompt_template: str = "alpaca", synced_ranks: bool = False) -> tuple[str, str]:
     """(base answer, ReFT answer). The prompt is rendered as in training (`prompt_template`), and the
     interventions act on its positions only."""
     from alpaca.model import set_train_mode
@@ -29,8 +29,10 @@ def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], s
     text = render_prompt(tokenizer, instruction, input, prompt_template)
     prompt = encode_prompts(tokenizer, [text], prompt_template, return_tensors="pt").to(device)
     prompt_length = prompt["input_ids"].shape[1]
+    # A sharded base (FSDP, ZeRO-3) gathers its weights in every forward: with `synced_ranks` a rank that meets
+    # EOS first keeps running forwards until all have, instead of leaving the others waiting in a gather.
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id)
+                    pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_ranks)
     set_train_mode(reft_model, False)
     base_ids = reft_model.model.generate(**prompt, **settings)
     locations = intervention_locations([prompt_length], position, share_weights, num_layers, pad_position=None)
@@ -41,10 +43,13 @@ def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], s
     return decode(base_ids), decode(reft_ids)
 
 
-def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int) -> str:
-    """The end-of-run view: --num_sample_answers held-out instructions, base vs ReFT."""
+def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int,
+                   synced_ranks: bool = False) -> str:
+    """The end-of-run view: --num_sample_answers held-out instructions, base vs ReFT. `synced_ranks`: every
+    rank generates (a sharded base), in step."""
     rows = [(instruction, *answer(reft_model, tokenizer, instruction, position, args.share_weights, num_layers,
-                                  args.max_new_tokens, prompt_template=args.prompt_template))
+                                  args.max_new_tokens, prompt_template=args.prompt_template,
+                                  synced_ranks=synced_ranks))
             for instruction in SAMPLE_INSTRUCTIONS[: args.num_sample_answers]]
     return side_by_side(rows)
 

@@ -101,7 +101,11 @@ def check_chat_template(path: str, name: str, cache_dir: str | None = None) -> N
     """--prompt_template chat needs a tokenizer that has one (base models often do not)."""
     from transformers import AutoTokenizer
 
-    if AutoTokenizer.from_pretrained(path, cache_dir=cache_dir).chat_template is None:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, cache_dir=cache_dir)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load the tokenizer of {name!r}: {str(error).strip().splitlines()[0]}") from None
+    if tokenizer.chat_template is None:
         raise UsageError(f"--prompt_template chat: the tokenizer of {name!r} has no chat template; use "
                          "--prompt_template alpaca or a chat model")
 

@@ -76,6 +76,7 @@ BAD_CONFIGS = [
     ("zero3 param offload on cpu", json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
      [], "offload_param moves state from GPUs to the CPU"),
     ("with fsdp", ZERO2.read_text(), ["--fsdp"], "--fsdp and --deepspeed are exclusive"),
+    ("bf16", ZERO2.read_text(), ["--dtype", "bfloat16"], "runs in float32 only for now"),
 ]
 
 
@@ -103,9 +104,10 @@ def deepspeed_resumed(request, tiny_model, tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"zero{stage}")
     config = config_file(root, stage)
     full, resumed = root / "full", root / "resumed"
-    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, full, *DDP, "--deepspeed", config)])
+    extra = ["--deepspeed", config]
+    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, full, *DDP, *extra)])
     assert result.returncode == 0, result.stderr[-3000:]
-    args = ["train_multigpu.py", *flags(tiny_model, tiny_data, resumed, *DDP, "--deepspeed", config)]
+    args = ["train_multigpu.py", *flags(tiny_model, tiny_data, resumed, *DDP, *extra)]
     stopped = torchrun(2, [FAULTS, *args], env={"FAULT": "sigterm", "FAULT_STEP": "5", "FAULT_RANK": "1"})
     assert stopped.returncode != 0 and "stopped by a signal to another rank after step 5" in stopped.stderr, \
         stopped.stderr[-3000:]

@@ -58,7 +58,8 @@ def check_command(command: str) -> None:
     launcher, script = tokens[:script_index], tokens[script_index]
     arguments = script_arguments(tokens[script_index + 1:])
     if launcher != ["python"]:
-        launcher_name = next(name for name in LAUNCHERS if tuple(launcher[: len(name)]) == name)
+        launcher_name = next((name for name in LAUNCHERS if tuple(launcher[: len(name)]) == name), None)
+        assert launcher_name is not None, f"no test runs a command like this: {command}"
         recipes = "\n".join(p.read_text() for p in (REPO / "examples" / "launch").iterdir())
         flags = [token for token in launcher[len(launcher_name):] if token.startswith("--")]
         assert launcher_name[-1] in recipes, launcher

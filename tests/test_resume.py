@@ -25,7 +25,7 @@ from conftest import (
     torchrun,
 )
 
-from alpaca.checkpoint import checkpoints, latest_checkpoint
+from alpaca.checkpoint import checkpoints, latest_checkpoint, sha256
 from alpaca.output import read_metrics
 
 
@@ -204,6 +204,22 @@ def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_p
                                                     "--resume_from_checkpoint", "auto"])
     assert status == 2
     assert message in stderr.strip().splitlines()[-1] and "Traceback" not in stderr
+
+
+def test_resume_with_another_prompt_template_is_refused(tiny_model, tiny_data, tmp_path, reference):
+    """A checkpoint trained on chat-rendered prompts, resumed with the Alpaca prompt: refused, not trained on
+    other text (the checkpoint's record is rewritten, its manifest updated to match)."""
+    shutil.copytree(reference / "single", tmp_path, dirs_exist_ok=True)
+    checkpoint = latest_checkpoint(tmp_path)
+    state_file, manifest_file = checkpoint / "trainer_state.json", checkpoint / "manifest.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "prompt_template": "chat"}))
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"]["trainer_state.json"] = {"bytes": state_file.stat().st_size, "sha256": sha256(state_file)}
+    manifest_file.write_text(json.dumps(manifest))
+    status, _, stderr = run_in_process("train.py", [*flags(tiny_model, tiny_data, tmp_path, *SINGLE),
+                                                    "--resume_from_checkpoint", "auto"])
+    assert status == 2
+    assert stderr.strip().splitlines()[-1].endswith("resume with --prompt_template chat"), stderr[-2000:]
 
 
 def test_a_resumed_run_continues_its_wandb_run(stopped_and_resumed):
