@@ -128,9 +128,10 @@ def run(args, device, backend: str, started: float) -> None:
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
+    dtype = resolve_dtype(args.dtype, device)
     deepspeed_config = args.deepspeed_config if args.deepspeed else None
     if deepspeed_config:
-        zero.check_for_device(deepspeed_config, args.deepspeed, device, resolve_dtype(args.dtype, device))
+        zero.check_for_device(deepspeed_config, args.deepspeed, device, dtype)
     # A sharded base answers only when every rank runs each forward (evaluation, sample answers).
     shards_base = bool(args.fsdp) or bool(deepspeed_config) and zero.stage(deepspeed_config) == 3
     # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
@@ -143,7 +144,7 @@ def run(args, device, backend: str, started: float) -> None:
                             args.seed, args.field_map), participate=True, device=device)
     model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
     # Under --fsdp the base is built empty (meta device); once sharded, each rank reads only its shards.
-    model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device),
+    model, tokenizer = load_base_model(model_path, dtype,
                                        torch.device("meta") if args.fsdp else device, args.cache_dir)
     dataset, eval_dataset = first_on_local_main(
         lambda: [None if split is None

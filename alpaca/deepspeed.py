@@ -114,7 +114,7 @@ class ReftModule(torch.nn.Module):
         return self._reft_model[0](*args, **kwargs)
 
 
-# ZeRO-3's sizes that HF's "auto" derives from the model's hidden size h, by HF's rules
+# The bucket and persistence sizes that HF's "auto" derives from the model's hidden size h, by HF's rules
 MODEL_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
               "stage3_param_persistence_threshold": lambda h: 10 * h}
 
@@ -156,7 +156,8 @@ def micro_step(engine, loss: torch.Tensor) -> None:
 @contextlib.contextmanager
 def gathered(module: torch.nn.Module, config: dict | None) -> Iterator[None]:
     """Under ZeRO-3, every rank gathers the whole parameters of `module` for the block (collectives every
-    rank reaches), so that one rank alone can read them; it changes nothing else.
+    rank reaches), so that one rank alone can read them. Inside, gradients are off and parametrized weights
+    are cached; below stage 3 it does nothing.
 
     A parametrized weight (LoReFT's rotation) is computed by calling a module, whose hooks would gather its
     parameters again, on the reading rank alone: every rank computes each such weight here, and the
