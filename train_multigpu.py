@@ -46,10 +46,12 @@ def train(args) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
-        if local_rank >= gpus:  # the first rank without a GPU says why; torchrun stops the others
-            processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
+        # every rank of the node sees the same counts, so all stop here and the last says why (as with usage
+        # errors); a launcher without LOCAL_WORLD_SIZE leaves each rank to judge itself
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        if processes > gpus:
             sys.exit(f"{PROG}: error: {processes} processes on this node but {gpus} GPU(s) visible; launch with "
-                     f"--nproc_per_node {gpus}" if local_rank == gpus else 2)
+                     f"--nproc_per_node {gpus}" if local_rank == processes - 1 else 2)
         device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
