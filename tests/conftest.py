@@ -82,7 +82,10 @@ def tiny_chat_model(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """Tokenized datasets (and any converted model) go to a throwaway cache, not the user's."""
+    """Tokenized datasets (and any converted model) go to a throwaway cache, not the user's. Compiled torch
+    extensions stay where torch keeps them: DeepSpeed's CPU accelerator builds one (~30 s) on its first run."""
+    user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(user_cache) / "torch_extensions"))
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
 
 
@@ -155,6 +158,14 @@ def rank_exit_codes(torchrun_stderr: str) -> list[tuple[str, str]]:
     return sorted(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", torchrun_stderr))
 
 
+def assert_every_rank_left_on_its_own(torchrun_stderr: str) -> None:
+    """After rank 0 failed (and said why), each rank exited with status 1 by itself, under
+    EACH_RANK_ENDS_ON_ITS_OWN. Rank 0 may instead show torchrun's SIGTERM: when rank 1 is out first, torchrun
+    can look in the instant before rank 0, which has reported its error, has exited too."""
+    exit_codes = dict(rank_exit_codes(torchrun_stderr))
+    assert exit_codes.get("1") == "1" and exit_codes.get("0") in ("1", str(-signal.SIGTERM)), torchrun_stderr[-3000:]
+
+
 def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300, env: dict | None = None):
     """torchrun on a free port: tests run in parallel (pytest-xdist), and torchrun's default port is one."""
     return run_script(["--nproc_per_node", str(nproc), "--master_port", str(free_port()), *(extra or []), *args],
@@ -162,11 +173,13 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
 
 
 def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
-    """`main(argv)` of train.py in this process: (exit status, stdout, stderr). For checks where no process
-    boundary is under test (usage errors, refused resumes, the objective's scale); it saves the ~10 s of
-    imports a fresh interpreter pays. The stop-signal handlers a run installs are restored afterwards."""
+    """`main(argv)` of train.py or train_multigpu.py in this process: (exit status, stdout, stderr). For runs
+    where no process boundary is under test (usage errors, refused resumes, runs that others are compared
+    with, resumes after a crash); it saves the ~7 s of imports a fresh interpreter pays. The environment
+    (train_multigpu.py sets a world of one) and the stop-signal handlers are restored afterwards."""
     module = importlib.import_module(Path(script).stem)
     handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    environment = dict(os.environ)
     stdout, stderr, status = io.StringIO(), io.StringIO(), 0
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -178,6 +191,8 @@ def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
     finally:
         for number, handler in handlers.items():
             signal.signal(number, handler)
+        os.environ.clear()
+        os.environ.update(environment)
     return status, stdout.getvalue(), stderr.getvalue()
 
 
@@ -272,9 +287,10 @@ def runs(tiny_tied_model, tiny_data, tiny_eval_data, tmp_path_factory):
     data = ["--model_name_or_path", str(tiny_tied_model), "--data_path", str(tiny_data), *COMMON,
             "--eval_data_path", str(tiny_eval_data), "--eval_strategy", "steps", "--eval_steps", "4",
             "--per_device_eval_batch_size", "2"]
-    single = run_script(["train.py", *data, "--output_dir", str(root / "single"),
-                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
-    assert single.returncode == 0, single.stderr[-3000:]
+    status, _, stderr = run_in_process("train.py", [*data, "--output_dir", root / "single",
+                                                    "--per_device_train_batch_size", "2",
+                                                    "--gradient_accumulation_steps", "4"])
+    assert status == 0, stderr[-3000:]
     ddp = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "ddp"),
                        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"],
                    extra=["--log-dir", str(root / "logs"), "--redirects", "3"])
@@ -321,17 +337,17 @@ def flags(tiny_model, tiny_data, output_dir, *extra):
 def reference(tiny_model, tiny_data, tmp_path_factory):
     """Uninterrupted runs: one process (accumulation 4) and two (accumulation 2); global batch 8."""
     root = tmp_path_factory.mktemp("reference")
-    single = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single", *SINGLE)])
-    assert single.returncode == 0, single.stderr[-3000:]
+    status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, root / "single", *SINGLE))
+    assert status == 0, stderr[-3000:]
     ddp = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, root / "ddp", *DDP)])
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert [path.name for path in checkpoints(root / "single")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
                                                                    "checkpoint-8"]
     assert [r["step"] for r in read_metrics(root / "single") if "loss" in r] == [2, 4, 6, 8, 9]
     assert [r["step"] for r in read_metrics(root / "ddp") if "loss" in r] == [3, 6, 9]
-    without_dropout = run_script(["train.py", *flags(tiny_model, tiny_data, root / "single-no-dropout",
-                                                     "--gradient_accumulation_steps", "4", "--dropout", "0")])
-    assert without_dropout.returncode == 0, without_dropout.stderr[-3000:]
+    status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, root / "single-no-dropout",
+                                                         "--gradient_accumulation_steps", "4", "--dropout", "0"))
+    assert status == 0, stderr[-3000:]
     return root
 
 
@@ -350,12 +366,12 @@ def pyreft_command_line(tiny_model, tiny_data):
 
 @pytest.fixture(scope="session")
 def pyreft_example_run(pyreft_command_line, tmp_path_factory):
-    """train.py on the pyreft command line, with one sample answer."""
+    """train.py on the pyreft command line, with one sample answer: the output directory and what it printed."""
     output_dir = tmp_path_factory.mktemp("pyreft-example")
-    result = run_script(["train.py", *pyreft_command_line, "--output_dir", str(output_dir), "--num_sample_answers",
-                         "1", "--max_new_tokens", "8"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return output_dir, result
+    status, stdout, stderr = run_in_process("train.py", [*pyreft_command_line, "--output_dir", output_dir,
+                                                         "--num_sample_answers", "1", "--max_new_tokens", "8"])
+    assert status == 0, stderr[-3000:]
+    return output_dir, stdout
 
 
 DOCUMENTED_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

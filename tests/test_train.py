@@ -122,9 +122,9 @@ def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
 
 def test_pyreft_example_command_line_runs(pyreft_example_run):
     """The command line of pyreft's examples/alpaca (the run is shared with the 4-process test)."""
-    output_dir, result = pyreft_example_run
+    output_dir, stdout = pyreft_example_run
     assert len(read_metrics(output_dir)) == 2  # 21 examples, global batch 32: one step per epoch
-    assert "BASE MODEL" in result.stdout and "REFT MODEL" in result.stdout
+    assert "BASE MODEL" in stdout and "REFT MODEL" in stdout
     assert sorted(p.name for p in output_dir.glob("intkey_*.bin")) and (output_dir / "config.json").exists()
 
 
