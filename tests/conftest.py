@@ -158,6 +158,11 @@ def rank_exit_codes(torchrun_stderr: str) -> list[tuple[str, str]]:
     return sorted(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", torchrun_stderr))
 
 
+def threads_left(stderr: str) -> list[str]:
+    """What tests/faults.py reports of each process: the process-group threads still running at its exit."""
+    return re.findall(r"process-group threads at exit: (.*)", stderr)
+
+
 def assert_every_rank_left_on_its_own(torchrun_stderr: str) -> None:
     """After rank 0 failed (and said why), each rank exited with status 1 by itself, under
     EACH_RANK_ENDS_ON_ITS_OWN. Rank 0 may instead show torchrun's SIGTERM: when rank 1 is out first, torchrun
@@ -173,10 +178,14 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
 
 
 def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
-    """`main(argv)` of train.py or train_multigpu.py in this process: (exit status, stdout, stderr). For runs
-    where no process boundary is under test (usage errors, refused resumes, runs that others are compared
-    with, resumes after a crash); it saves the ~7 s of imports a fresh interpreter pays. The environment
-    (train_multigpu.py sets a world of one) and the stop-signal handlers are restored afterwards."""
+    """`main(argv)` of one of the project's scripts (train.py, train_multigpu.py, examples/generate.py) in this
+    process: (exit status, stdout, stderr). For runs where no process boundary is under test (usage errors,
+    refused resumes, runs that others are compared with, resumes after a crash); it saves the ~7 s of imports
+    a fresh interpreter pays. The environment (train_multigpu.py sets a world of one) and the stop-signal
+    handlers are restored afterwards."""
+    directory = str((REPO / script).parent)
+    if directory not in sys.path:
+        sys.path.append(directory)
     module = importlib.import_module(Path(script).stem)
     handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     environment = dict(os.environ)

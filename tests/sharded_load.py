@@ -1,11 +1,11 @@
-"""Under torchrun: build MODEL_DIR's model on the meta device, shard it with --fsdp's functions and load each
-rank's shards; then check it against the model transformers loads whole, in one process.
+"""Under torchrun: build each MODEL_DIR's model on the meta device, shard it with --fsdp's functions and load
+each rank's shards; then check it against the model transformers loads whole, in one process.
 
-    torchrun --nproc_per_node N tests/sharded_load.py MODEL_DIR
+    torchrun --nproc_per_node N tests/sharded_load.py MODEL_DIR [MODEL_DIR ...]
 
 Checks: every parameter (gathered) and buffer equals the whole model's, tied parameters are still one
 parameter, nothing is left on the meta device, and the sharded forward gives the whole model's logits.
-Prints "ok" on rank 0.
+Prints "ok" on rank 0, for each model.
 """
 
 import os
@@ -22,30 +22,30 @@ from alpaca.distributed import process_group, shard_base_model  # noqa: E402
 from alpaca.model import build_reft_model  # noqa: E402
 from alpaca.sharding import empty_base_model, load_shards  # noqa: E402
 
-model_dir = sys.argv[1]
 cpu = torch.device("cpu")
 with process_group("gloo", 300, cpu):
-    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    sharded = empty_base_model(model_dir, torch.float32)
-    assert all(p.is_meta for p in sharded.parameters())
-    build_reft_model(sharded, "1", (1, 1), False, rank=2)  # as in train_multigpu.py: before sharding
-    shard_base_model(sharded, cpu)
-    load_shards(sharded, model_dir, cpu)
+    for model_dir in sys.argv[1:]:
+        whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        sharded = empty_base_model(model_dir, torch.float32)
+        assert all(p.is_meta for p in sharded.parameters())
+        build_reft_model(sharded, "1", (1, 1), False, rank=2)  # as in train_multigpu.py: before sharding
+        shard_base_model(sharded, cpu)
+        load_shards(sharded, model_dir, cpu)
 
-    tied = whole.config.tie_word_embeddings
-    assert (sharded.lm_head.weight is sharded.get_input_embeddings().weight) == tied, "tying changed"
-    assert not any(t.is_meta for t in [*sharded.parameters(), *sharded.buffers()]), "left on meta"
-    uneven = False
-    for name, expected in whole.named_parameters():
-        actual = sharded.get_parameter(name)
-        assert isinstance(actual, DTensor), name
-        uneven |= actual.shape[0] % dist.get_world_size() != 0
-        torch.testing.assert_close(actual.full_tensor(), expected, rtol=0, atol=0, msg=name)
-    for name, expected in whole.named_buffers():
-        torch.testing.assert_close(sharded.get_buffer(name), expected, rtol=0, atol=0, msg=name)
-    assert uneven, "the test model should have a tensor that splits unevenly"
-    ids = torch.arange(24).reshape(2, 12) % whole.config.vocab_size
-    with torch.no_grad():
-        torch.testing.assert_close(sharded(input_ids=ids).logits, whole(input_ids=ids).logits)
-    if int(os.environ["RANK"]) == 0:
-        print(f"ok: {dist.get_world_size()} ranks, tied={tied}")
+        tied = whole.config.tie_word_embeddings
+        assert (sharded.lm_head.weight is sharded.get_input_embeddings().weight) == tied, "tying changed"
+        assert not any(t.is_meta for t in [*sharded.parameters(), *sharded.buffers()]), "left on meta"
+        uneven = False
+        for name, expected in whole.named_parameters():
+            actual = sharded.get_parameter(name)
+            assert isinstance(actual, DTensor), name
+            uneven |= actual.shape[0] % dist.get_world_size() != 0
+            torch.testing.assert_close(actual.full_tensor(), expected, rtol=0, atol=0, msg=name)
+        for name, expected in whole.named_buffers():
+            torch.testing.assert_close(sharded.get_buffer(name), expected, rtol=0, atol=0, msg=name)
+        assert uneven, "the test model should have a tensor that splits unevenly"
+        ids = torch.arange(24).reshape(2, 12) % whole.config.vocab_size
+        with torch.no_grad():
+            torch.testing.assert_close(sharded(input_ids=ids).logits, whole(input_ids=ids).logits)
+        if int(os.environ["RANK"]) == 0:
+            print(f"ok: {dist.get_world_size()} ranks, tied={tied}")

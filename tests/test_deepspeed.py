@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import DDP, FAULTS, REPO, assert_same_run, flags, intervention_weights, run_in_process, torchrun
+from conftest import FAULTS, REPO, assert_same_run, flags, intervention_weights, run_in_process, torchrun
 
 from alpaca.checkpoint import TRAINER_STATE, checkpoints
 from alpaca.model import load_base_model

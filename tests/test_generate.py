@@ -48,16 +48,16 @@ def test_the_reft_answer_is_the_trained_model_s(runs, untrained, tiny_tied_model
 
 def test_generate_prints_base_and_reft_side_by_side(runs, tiny_tied_model):
     root, _ = runs
-    result = run_script([GENERATE, "--reft_dir", str(root / "single"), "--instruction", INSTRUCTIONS[0],
-                         "--max_new_tokens", "8"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"Instruction: {INSTRUCTIONS[0]}" in result.stdout
-    assert compared(result, "REFT MODEL") == answers(root / "single", tiny_tied_model)[0]
+    status, stdout, stderr = run_in_process(GENERATE, ["--reft_dir", root / "single", "--instruction",
+                                                       INSTRUCTIONS[0], "--max_new_tokens", "8"])
+    assert status == 0, stderr[-3000:]
+    assert f"Instruction: {INSTRUCTIONS[0]}" in stdout
+    assert compared(stdout, "REFT MODEL") == answers(root / "single", tiny_tied_model)[0]
 
 
-def compared(result, second) -> tuple[str, str]:
-    """The two answers of `generate.py --compare` for its one instruction."""
-    lines = result.stdout.splitlines()
+def compared(stdout: str, second) -> tuple[str, str]:
+    """The two answers that generate.py printed side by side for its one instruction."""
+    lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.endswith(" | " + str(second)))
     column = lines[header].index(" | ")  # the answers' columns are cut where the headers' are
     return lines[header + 1][:column].strip(), lines[header + 1][column + 3 :].strip()
@@ -66,10 +66,10 @@ def compared(result, second) -> tuple[str, str]:
 def test_generate_compares_two_runs(runs, untrained, tiny_tied_model):
     """The trained run against its untrained interventions: each column holds its run's answer, and they differ."""
     root, _ = runs
-    result = run_script([GENERATE, "--reft_dir", str(root / "single"), "--compare", str(untrained),
-                         "--instruction", INSTRUCTIONS[1], "--max_new_tokens", "8"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    left, right = compared(result, untrained)
+    status, stdout, stderr = run_in_process(GENERATE, ["--reft_dir", root / "single", "--compare", untrained,
+                                                       "--instruction", INSTRUCTIONS[1], "--max_new_tokens", "8"])
+    assert status == 0, stderr[-3000:]
+    left, right = compared(stdout, untrained)
     assert left == answers(root / "single", tiny_tied_model)[1][1]
     assert right == answers(untrained, tiny_tied_model)[1][1]
     assert left != right

@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import REPO, run_in_process, run_script, write_records
+from conftest import run_in_process, write_records
 
 from alpaca.args import INTERVENTIONS, parse_args
 from alpaca.data import Collator, load_records, tokenize
@@ -87,10 +87,11 @@ def test_noreft_trains_end_to_end_and_generate_loads_it(tiny_model, tmp_path):
         "--model_name_or_path", tiny_model, "--data_path", write_records(tmp_path / "data.json", 6), "--output_dir",
         output, "--intervention", "noreft", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers", "0"])
     assert status == 0, stderr[-3000:]
-    generated = run_script([str(REPO / "examples" / "generate.py"), "--reft_dir", str(output), "--instruction",
-                            "Name three primary colors.", "--max_new_tokens", "4"])
-    assert generated.returncode == 0, generated.stderr[-3000:]
-    assert "REFT MODEL" in generated.stdout
+    status, stdout, stderr = run_in_process("examples/generate.py", ["--reft_dir", output, "--instruction",
+                                                                     "Name three primary colors.",
+                                                                     "--max_new_tokens", "4"])
+    assert status == 0, stderr[-3000:]
+    assert "REFT MODEL" in stdout
 
 
 def test_share_weights_with_one_window_says_it_changes_nothing(capsys):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import COMMON, assert_same_run, intervention_weights, run_script, torchrun
+from conftest import COMMON, assert_same_run, intervention_weights, run_in_process, torchrun
 
 from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
@@ -20,9 +20,10 @@ def test_world_size_one_is_train_py_bit_for_bit(runs):
     """One process of train_multigpu.py does train.py's arithmetic: the same run exactly (and so, within float
     noise, the two-rank one)."""
     root, data = runs
-    result = run_script(["train_multigpu.py", *data, "--output_dir", str(root / "one"),
-                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    status, _, stderr = run_in_process("train_multigpu.py", [*data, "--output_dir", root / "one",
+                                                             "--per_device_train_batch_size", "2",
+                                                             "--gradient_accumulation_steps", "4"])
+    assert status == 0, stderr[-3000:]
     assert_same_run(root / "one", root / "single", exact=True)
 
 

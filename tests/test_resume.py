@@ -16,12 +16,14 @@ from conftest import (
     FAULTS,
     REPO,
     SINGLE,
+    assert_every_rank_left_on_its_own,
     assert_same_run,
     flags,
     free_port,
     rank_exit_codes,
     run_in_process,
     run_script,
+    threads_left,
     torchrun,
 )
 
@@ -144,6 +146,9 @@ def test_a_rank_raising_brings_the_job_down_quickly(tiny_model, tiny_data, tmp_p
     assert result.returncode != 0
     assert time.monotonic() - started < 60
     assert "injected failure at step 3" in result.stderr
+    assert ("1", "1") in rank_exit_codes(result.stderr), result.stderr[-3000:]  # the error's exit status
+    # its process group is gone before its interpreter exits (test_shutdown.py: the other ways a run ends)
+    assert "[]" in threads_left(result.stderr) and set(threads_left(result.stderr)) == {"[]"}, result.stderr[-3000:]
 
 
 def test_a_failed_output_write_on_rank_zero_stops_every_rank(tiny_model, tiny_data, tmp_path):

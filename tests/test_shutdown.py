@@ -5,22 +5,16 @@ they can abort a process that has finished ("terminate called without an active 
 usage error then reads as a crash, a finished run as a failed one. tests/faults.py prints the threads left.
 """
 
-import re
 import signal
 
 import pytest
-from conftest import FAULTS, flags, run_script
+from conftest import FAULTS, flags, run_script, threads_left
 
 CASES = {  # how the run ends: (fault, extra flags, exit status): 128 + the signal number after a stop signal
     "usage error after the group exists": ("", ["--fsdp", "full_shard offload"], 2),
     "SIGTERM": ("sigterm", [], 128 + signal.SIGTERM),
     "SIGINT": ("sigint", [], 128 + signal.SIGINT),
-    "error": ("raise", [], 1),
-}
-
-
-def threads_left(stderr: str) -> list[str]:
-    return re.findall(r"process-group threads at exit: (.*)", stderr)
+}  # an error: test_resume.py's test_a_rank_raising_brings_the_job_down_quickly
 
 
 @pytest.mark.parametrize("case", CASES)
