@@ -287,22 +287,33 @@ def assert_same_run(actual_dir, expected_dir, exact: bool = False) -> None:
             assert actual_log[key] == pytest.approx(expected_log[key], rel=RTOL, abs=0), key
 
 
+RECIPES = REPO / "examples" / "launch"
+# python, torchrun and accelerate of the environment running the tests; the global batch of `runs`.
+RECIPE_ENV = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "GLOBAL_BATCH": "8",
+              "PER_DEVICE": "2"}
+
+
+def recipe(name: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """A launch recipe of examples/launch, run as a user runs it, with `args` appended to its flags."""
+    return run_script([str(RECIPES / name), *args], launcher=["bash"], env={**RECIPE_ENV, **env})
+
+
 @pytest.fixture(scope="session")
 def runs(tiny_tied_model, tiny_data, tiny_eval_data, tmp_path_factory):
-    """On the tied-embeddings model. 21 examples, global batch 8: the last global batch of each epoch is partial
-    (5 examples), and in it rank 1's last micro-batch is empty. Evaluated on 5 held-out examples at steps 4, 8
-    and 9 (the last)."""
+    """One process and two, launched as a user launches them: examples/launch/single_gpu.sh (accumulation 4)
+    and multi_gpu.sh (torchrun, accumulation 2; each rank's output in a log file, through torchrun's PET_
+    variables). On the tied-embeddings model. 21 examples, global batch 8: the last global batch of each epoch
+    is partial (5 examples), and in it rank 1's last micro-batch is empty. Evaluated on 5 held-out examples at
+    steps 4, 8 and 9 (the last). Returns the runs' root and the flags given to the recipes."""
     root = tmp_path_factory.mktemp("runs")
     data = ["--model_name_or_path", str(tiny_tied_model), "--data_path", str(tiny_data), *COMMON,
             "--eval_data_path", str(tiny_eval_data), "--eval_strategy", "steps", "--eval_steps", "4",
             "--per_device_eval_batch_size", "2"]
-    status, _, stderr = run_in_process("train.py", [*data, "--output_dir", root / "single",
-                                                    "--per_device_train_batch_size", "2",
-                                                    "--gradient_accumulation_steps", "4"])
-    assert status == 0, stderr[-3000:]
-    ddp = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "ddp"),
-                       "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"],
-                   extra=["--log-dir", str(root / "logs"), "--redirects", "3"])
+    single = recipe("single_gpu.sh", data, {"OUTPUT_DIR": str(root / "single")})
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "global batch 8 = 2 per device x 4 accumulation" in single.stdout
+    ddp = recipe("multi_gpu.sh", data, {"OUTPUT_DIR": str(root / "ddp"), "NPROC": "2",
+                                        "PET_LOG_DIR": str(root / "logs"), "PET_REDIRECTS": "3"})
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     return root, data
 

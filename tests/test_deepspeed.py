@@ -28,36 +28,48 @@ def config_file(directory, stage: int):
     return path
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_zero_trains_the_same_model_as_ddp(runs, tmp_path, tiny_model, stage):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_trains_the_same_model_as_ddp(runs, tmp_path, tiny_tied_model, stage):
     """The DDP run of test_multigpu (tied embeddings, accumulation 2, a partial last global batch where rank 1's
     last micro-batch is empty, eval every 4 steps), under ZeRO: the same weights, losses, eval losses and
     per-step gradient norms (which a constant factor in the gradient would change, though AdamW hides it from
-    the weights). ZeRO-3 partitions the base: each rank holds half of its parameters, and both run every
-    forward of the evaluation (3 batches: 2 on rank 0, 1 on rank 1) and of the sample answer. ZeRO-2 is
-    compared with DDP in the resume test below."""
+    the weights), within float noise (ZeRO sums in another order).
+
+    Under ZeRO-2 and ZeRO-3 the run is also stopped and resumed: rank 1 alone gets SIGTERM in step 5 (inside an
+    epoch), and the run resumes from the checkpoint the stop writes; a lost optimizer state or batch position
+    would be far above float noise. ZeRO-3 partitions the base: each rank holds half of its parameters, and
+    both run every forward of the evaluation (3 batches: 2 on rank 0, 1 on rank 1) and of the sample answer."""
     root, data = runs
+    output_dir = tmp_path / "out"
     extra = ["--num_sample_answers", "1", "--max_new_tokens", "4"] if stage == 3 else []
-    result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(tmp_path / "out"),
-                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                          "--deepspeed", str(config_file(tmp_path, stage)), *extra])
+    args = ["train_multigpu.py", *data, "--output_dir", str(output_dir), "--per_device_train_batch_size", "2",
+            "--gradient_accumulation_steps", "2", "--deepspeed", str(config_file(tmp_path, stage)), *extra]
+    if stage > 1:
+        stopped = torchrun(2, [FAULTS, *args], env={"FAULT": "sigterm", "FAULT_STEP": "5", "FAULT_RANK": "1"})
+        assert stopped.returncode != 0 and "stopped by a signal to another rank after step 5" in stopped.stderr, \
+            stopped.stderr[-3000:]
+        assert [path.name for path in checkpoints(output_dir)] == ["checkpoint-5"]
+        args += ["--resume_from_checkpoint", "auto"]
+    result = torchrun(2, args)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert stage == 1 or "at step 5" in result.stdout
     layout = "sharded" if stage == 3 else "replicated"
     assert f"base model {layout} (DeepSpeed ZeRO-{stage})" in result.stdout
-    assert_same_run(tmp_path / "out", root / "ddp")
-    assert len([r for r in read_metrics(tmp_path / "out") if "grad_norm" in r]) == 9
+    assert_same_run(output_dir, root / "ddp")
+    assert len([r for r in read_metrics(output_dir) if "grad_norm" in r]) == 9
 
     base_bytes = [json.loads((path / "training_args.json").read_text())["base_parameter_bytes_per_rank"]
-                  for path in (tmp_path / "out", root / "ddp")]
+                  for path in (output_dir, root / "ddp")]
     assert base_bytes[0] == pytest.approx(base_bytes[1] / 2 if stage == 3 else base_bytes[1], rel=0.02), base_bytes
     if stage == 3:
         assert "rank 0: " in result.stdout and "Instruction: Name three primary colors." in result.stdout
 
-    base, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
-    reft_model = load_reft_model(tmp_path / "out", base)
-    saved = intervention_weights(tmp_path / "out")
-    for key, intervention in reft_model.interventions.items():
-        assert torch.equal(intervention.rotate_layer.weight, saved[f"intkey_{key}.bin/rotate_layer"])
+    base, _ = load_base_model(str(tiny_tied_model), torch.float32, torch.device("cpu"))
+    for loaded in (output_dir, *checkpoints(output_dir)):  # the output, and the checkpoint as an output
+        reft_model = load_reft_model(loaded, base)
+        saved = intervention_weights(loaded)
+        for key, intervention in reft_model.interventions.items():
+            assert torch.equal(intervention.rotate_layer.weight, saved[f"intkey_{key}.bin/rotate_layer"])
 
 
 BAD_CONFIGS = [
@@ -94,28 +106,6 @@ def test_bad_deepspeed_config(tiny_model, tiny_data, tmp_path, name, text, extra
     assert status == 2, stderr[-3000:]
     assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not output_dir.exists()
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_stopped_and_resumed_zero_run_trains_the_model_of_one_process(tiny_model, tiny_data, tmp_path, reference,
-                                                                 stage):
-    """With the reference runs' flags (eval, checkpoints every 2 steps) but no dropout, rank 1 alone is stopped
-    by SIGTERM in step 5 (inside an epoch); the run resumes from the checkpoint the stop writes. Steps 1-5 and
-    6-9 together are the uninterrupted one-process run: weights, losses, grad norms and eval losses within
-    float noise (2 processes and ZeRO sum in another order; a lost optimizer state or batch position is far
-    above it). The checkpoint loads as an output."""
-    args = ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2",
-                                        "--dropout", "0", "--deepspeed", config_file(tmp_path, stage))]
-    stopped = torchrun(2, [FAULTS, *args], env={"FAULT": "sigterm", "FAULT_STEP": "5", "FAULT_RANK": "1"})
-    assert stopped.returncode != 0 and "stopped by a signal to another rank after step 5" in stopped.stderr, \
-        stopped.stderr[-3000:]
-    assert checkpoints(tmp_path)[-1].name == "checkpoint-5"
-    result = torchrun(2, [*args, "--resume_from_checkpoint", "auto"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "at step 5" in result.stdout
-    assert_same_run(tmp_path, reference / "single-no-dropout")
-    base, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
-    load_reft_model(tmp_path / "checkpoint-5", base)
 
 
 def test_a_single_process_checkpoint_resumes_under_zero3(tiny_model, tiny_data, tmp_path, reference):

@@ -4,20 +4,9 @@ model that one process trains with the same global batch."""
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_same_run, free_port, intervention_weights, run_script
-
-RECIPES = REPO / "examples" / "launch"
-# python, torchrun and accelerate of the environment running the tests; the global batch of `runs`.
-RECIPE_ENV = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "GLOBAL_BATCH": "8",
-              "PER_DEVICE": "2"}
-
-
-def recipe(name: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return run_script([str(RECIPES / name), *args], launcher=["bash"], env={**RECIPE_ENV, **env})
+from conftest import RECIPE_ENV, RECIPES, REPO, assert_same_run, free_port, intervention_weights, recipe, run_script
 
 
 def plan_batch(processes: int) -> subprocess.CompletedProcess:
@@ -41,18 +30,24 @@ def test_recipes_refuse_a_global_batch_they_cannot_keep():
     assert result.returncode == 2 and "GLOBAL_BATCH=32 cannot be split evenly over 64 processes" in result.stderr
 
 
-@pytest.mark.parametrize("name,env,accumulation", [
-    ("single_gpu.sh", {}, 4),
-    ("multi_gpu.sh", {"NPROC": "2"}, 2),
-    ("accelerate.sh", {"NPROC": "2"}, 2),
-])
-def test_recipe_trains_the_model_of_one_process(runs, name, env, accumulation):
+def test_the_one_and_two_process_runs_come_from_their_recipes(runs):
+    """`runs`, which the equivalence tests compare (test_multigpu.py: the same model, rank 0 alone prints), is
+    single_gpu.sh and multi_gpu.sh: their flags are in the runs' arguments."""
+    root, _ = runs
+    for name, processes, accumulation in (("single", 1, 4), ("ddp", 2, 2)):
+        args = json.loads((root / name / "training_args.json").read_text())
+        assert (args["save_steps"], args["world_size"], args["gradient_accumulation_steps"]) == (
+            100, processes, accumulation)
+
+
+def test_accelerate_recipe_trains_the_model_of_one_process(runs):
     root, data = runs
-    output_dir = root / f"recipe-{name}"
+    output_dir = root / "recipe-accelerate"
     # a port of its own (accelerate's default is torchrun's): the tests run side by side
-    result = recipe(name, data, {"OUTPUT_DIR": str(output_dir), "MASTER_PORT": str(free_port()), **env})
+    result = recipe("accelerate.sh", data, {"OUTPUT_DIR": str(output_dir), "MASTER_PORT": str(free_port()),
+                                            "NPROC": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"x {accumulation} accumulation" in result.stdout
+    assert "x 2 accumulation" in result.stdout
     assert_same_run(output_dir, root / "single")
 
 
