@@ -160,7 +160,13 @@ def rank_exit_codes(torchrun_stderr: str) -> list[tuple[str, str]]:
 
 def threads_left(stderr: str) -> list[str]:
     """What tests/faults.py reports of each process: the process-group threads still running at its exit."""
-    return re.findall(r"process-group threads at exit: (.*)", stderr)
+    return re.findall(r"process-group threads at exit: (\[.*?\]); exit status", stderr)
+
+
+def exit_statuses(stderr: str) -> list[int]:
+    """What tests/faults.py reports of each process: the exit status the script asked for."""
+    return [int(status) for status in re.findall(r"process-group threads at exit: \[.*?\]; exit status (-?\d+)",
+                                                 stderr)]
 
 
 def assert_every_rank_left_on_its_own(torchrun_stderr: str) -> None:

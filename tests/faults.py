@@ -6,7 +6,8 @@ The fault hits rank r (default 0) during step k, before that step's update: the 
 `write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
 fail, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving a partial file.
 Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
-has returned are printed last to stderr: a group destroyed for good leaves none.
+has returned, and the exit status it asks for, are printed last to stderr: a group destroyed for good leaves
+no thread.
 """
 
 import errno
@@ -92,7 +93,12 @@ def process_group_threads() -> list[str]:
 
 
 script, sys.argv = sys.argv[1], sys.argv[1:]
+status = 1  # what the interpreter exits with after an uncaught exception
 try:
     runpy.run_path(script, run_name="__main__")
-finally:
-    print(f"process-group threads at exit: {process_group_threads()}", file=sys.stderr)
+    status = 0
+except SystemExit as exit:
+    status = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+    raise
+finally:  # one write: the ranks share torchrun's stderr, and print() writes the newline apart
+    sys.stderr.write(f"process-group threads at exit: {process_group_threads()}; exit status {status}\n")

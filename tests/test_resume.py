@@ -18,6 +18,7 @@ from conftest import (
     SINGLE,
     assert_every_rank_left_on_its_own,
     assert_same_run,
+    exit_statuses,
     flags,
     free_port,
     rank_exit_codes,
@@ -120,7 +121,9 @@ def child_pids(pid: int) -> list[int]:
     ("every process", signal.SIGINT),
 ])
 def test_a_stop_signal_checkpoints_every_rank(tiny_model, tiny_data, tmp_path, target, signal_number):
-    args = ["--nproc_per_node", "2", "--master_port", str(free_port()), "train_multigpu.py",
+    """Each rank checkpoints, exits with 128 + the signal number (as SLURM and torchrun users read it), and has
+    destroyed its process group before its interpreter exits (tests/faults.py, without a fault, reports both)."""
+    args = ["--nproc_per_node", "2", "--master_port", str(free_port()), FAULTS, "train_multigpu.py",
             *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2", "--max_steps", "400",
                    "--save_strategy", "no")]
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO,
@@ -134,6 +137,7 @@ def test_a_stop_signal_checkpoints_every_rank(tiny_model, tiny_data, tmp_path, t
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode != 0
     assert f"stopped by {signal.Signals(signal_number).name}" in stderr, stderr[-3000:]
+    assert exit_statuses(stderr) == [128 + signal_number] * 2 and threads_left(stderr) == ["[]"] * 2, stderr[-3000:]
     [saved] = checkpoints(tmp_path)
     step = int(saved.name.split("-")[1])
     assert 3 <= step < 400 and [r["step"] for r in read_metrics(tmp_path)][-1] >= step
@@ -146,8 +150,9 @@ def test_a_rank_raising_brings_the_job_down_quickly(tiny_model, tiny_data, tmp_p
     assert result.returncode != 0
     assert time.monotonic() - started < 60
     assert "injected failure at step 3" in result.stderr
-    assert ("1", "1") in rank_exit_codes(result.stderr), result.stderr[-3000:]  # the error's exit status
-    # its process group is gone before its interpreter exits (test_shutdown.py: the other ways a run ends)
+    # the error's exit status; its process group is gone before its interpreter exits (tests/faults.py reports
+    # both; test_shutdown.py: the other ways a run ends)
+    assert ("1", "1") in rank_exit_codes(result.stderr) and 1 in exit_statuses(result.stderr), result.stderr[-3000:]
     assert "[]" in threads_left(result.stderr) and set(threads_left(result.stderr)) == {"[]"}, result.stderr[-3000:]
 
 
