@@ -46,12 +46,16 @@ def train(args) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
-        # every rank of the node sees the same counts, so all stop here and the last says why (as with usage
-        # errors); a launcher without LOCAL_WORLD_SIZE leaves each rank to judge itself
+        # Every rank of the node sees the same counts and stops here; local rank 0 says why. The others wait
+        # for torchrun to stop them, since one leaving first could get rank 0 stopped before it has printed.
+        # A launcher without LOCAL_WORLD_SIZE leaves each rank to judge (and report) itself.
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
         if processes > gpus:
+            reports = local_rank == 0 or "LOCAL_WORLD_SIZE" not in os.environ
+            if not reports:
+                time.sleep(30)
             sys.exit(f"{PROG}: error: {processes} processes on this node but {gpus} GPU(s) visible; launch with "
-                     f"--nproc_per_node {gpus}" if local_rank == processes - 1 else 2)
+                     f"--nproc_per_node {gpus}" if reports else 2)
         device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -326,14 +326,15 @@ def runs(tiny_tied_model, tiny_data, tiny_eval_data, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fsdp_runs(runs):
-    """The DDP run of `runs` again with --fsdp, and both with --gradient_checkpointing; through tests/faults.py
-    without a fault, which reports the process-group threads left at exit. The FSDP run ends with sample
-    answers, which need every rank. Returns the runs' root and each run's result."""
+    """The DDP run of `runs` again with --fsdp, with and without --gradient_checkpointing (under DDP:
+    test_multigpu.py's run with DataLoader workers); through tests/faults.py without a fault, which reports the
+    process-group threads left at exit. The FSDP run ends with sample answers, which need every rank. Returns
+    the runs' root and each run's result."""
     root, data = runs
     common = [*data, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
     results = {}
     for name, extra in [("fsdp", ["--fsdp", "--num_sample_answers", "2", "--max_new_tokens", "6"]),
-                        ("fsdp-gc", ["--fsdp", "--gradient_checkpointing"]), ("ddp-gc", ["--gradient_checkpointing"])]:
+                        ("fsdp-gc", ["--fsdp", "--gradient_checkpointing"])]:
         results[name] = torchrun(2, [FAULTS, "train_multigpu.py", *common, "--output_dir", str(root / name), *extra])
         assert results[name].returncode == 0, results[name].stderr[-3000:]
     return root, results

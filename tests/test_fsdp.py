@@ -48,9 +48,9 @@ def test_fsdp_holds_about_half_the_base_per_rank_on_two_ranks(fsdp_runs):
     assert base_bytes("fsdp") <= 0.6 * base_bytes("ddp")
 
 
-@pytest.mark.parametrize("name,reference", [("fsdp-gc", "fsdp"), ("ddp-gc", "ddp")])
-def test_gradient_checkpointing_gives_the_same_model(fsdp_runs, name, reference):
-    assert_same_run(fsdp_runs[0] / name, fsdp_runs[0] / reference, exact=True)
+def test_gradient_checkpointing_gives_the_same_model(fsdp_runs):
+    """Under FSDP, bit for bit; under DDP: test_multigpu.py's run with DataLoader workers."""
+    assert_same_run(fsdp_runs[0] / "fsdp-gc", fsdp_runs[0] / "fsdp", exact=True)
 
 
 def test_gradient_checkpointing_recomputes_each_layer(tiny_model):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import COMMON, assert_same_run, intervention_weights, run_in_process, torchrun
+from conftest import COMMON, FAULTS, assert_same_run, intervention_weights, run_in_process, threads_left, torchrun
 
 from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
@@ -27,15 +27,20 @@ def test_world_size_one_is_train_py_bit_for_bit(runs):
     assert_same_run(root / "one", root / "single", exact=True)
 
 
-def test_dataloader_workers_and_rounded_padding_train_the_same_model(runs):
-    """Batches collated in 2 worker processes per rank and padded to a multiple of 16: the same steps."""
+def test_dataloader_workers_rounded_padding_and_gradient_checkpointing_train_the_same_model(runs):
+    """Batches collated in 2 worker processes per rank and padded to a multiple of 16, with
+    --gradient_checkpointing under DDP: the same steps, within float noise (the padded shapes sum in another
+    order; under FSDP checkpointing alone changes no bit: test_fsdp.py). Through tests/faults.py without a
+    fault: the finished ranks leave no process-group thread."""
     root, data = runs
-    result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "workers"),
+    result = torchrun(2, [FAULTS, "train_multigpu.py", *data, "--output_dir", str(root / "workers"),
                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                          "--dataloader_num_workers", "2", "--pad_to_multiple_of", "16"])
+                          "--dataloader_num_workers", "2", "--pad_to_multiple_of", "16", "--gradient_checkpointing"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads((root / "workers" / "training_args.json").read_text())["pad_to_multiple_of"] == 16
+    args = json.loads((root / "workers" / "training_args.json").read_text())
+    assert (args["pad_to_multiple_of"], args["gradient_checkpointing"]) == (16, True)
     assert_same_run(root / "workers", root / "ddp")
+    assert threads_left(result.stderr) == ["[]", "[]"], result.stderr[-3000:]
 
 
 def test_only_rank_zero_prints_and_writes(runs):
