@@ -254,6 +254,7 @@ def run(args, device, backend: str, started: float) -> None:
                         generator=torch.Generator())
     # What a rank whose share of a (partial) global batch falls short of its micro-steps runs, at zero weight.
     placeholder = collate([dataset[0]])
+    rng_devices = [device] if device.type == "cuda" else []  # fork_rng saves the CPU generator's state always
     # Each rank evaluates every world_size-th batch; with a sharded base all ranks run as many forwards.
     eval_plan = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
                  if eval_dataset else [])
@@ -290,14 +291,16 @@ def run(args, device, backend: str, started: float) -> None:
             learning_rate = scheduler.get_last_lr()[0]
             # A short share runs zero-weight placeholders: one, last, under DDP (its gradient all-reduce needs
             # every rank); every missing one under FSDP, whose forwards all-gather the base's shards, and under
-            # DeepSpeed, which communicates in every backward.
+            # DeepSpeed, which communicates in every backward. They draw no dropout masks (the RNG state is put
+            # back), so the real micro-batches draw the same ones under every strategy.
             missing = args.gradient_accumulation_steps - len(micro_batches)
             if missing:
                 micro_batches = [*micro_batches, *[None] * (missing if args.fsdp or args.deepspeed else 1)]
             for micro_step, batch in enumerate(micro_batches):
                 last = micro_step == len(micro_batches) - 1
                 # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
-                with contextlib.nullcontext() if last or args.fsdp or args.deepspeed else train_model.no_sync():
+                with (contextlib.nullcontext() if last or args.fsdp or args.deepspeed else train_model.no_sync(),
+                      torch.random.fork_rng(rng_devices) if batch is None else contextlib.nullcontext()):
                     summed_loss = summed_token_loss(train_model, batch or placeholder, device)
                     if batch is None:
                         summed_loss = summed_loss * 0.0
