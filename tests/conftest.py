@@ -170,11 +170,10 @@ def exit_statuses(stderr: str) -> list[int]:
 
 
 def assert_every_rank_left_on_its_own(torchrun_stderr: str) -> None:
-    """After rank 0 failed (and said why), each rank exited with status 1 by itself, under
-    EACH_RANK_ENDS_ON_ITS_OWN. Rank 0 may instead show torchrun's SIGTERM: when rank 1 is out first, torchrun
-    can look in the instant before rank 0, which has reported its error, has exited too."""
-    exit_codes = dict(rank_exit_codes(torchrun_stderr))
-    assert exit_codes.get("1") == "1" and exit_codes.get("0") in ("1", str(-signal.SIGTERM)), torchrun_stderr[-3000:]
+    """After rank 0 failed (and said why), each rank's script ended by itself with status 1, under
+    EACH_RANK_ENDS_ON_ITS_OWN: tests/faults.py's report of each. (torchrun's own summary can show -15 for a rank
+    that had ended and was still tearing down its interpreter when torchrun looked.)"""
+    assert exit_statuses(torchrun_stderr) == [1, 1], torchrun_stderr[-3000:]
 
 
 def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: int = 300, env: dict | None = None):
