@@ -158,15 +158,17 @@ def rank_exit_codes(torchrun_stderr: str) -> list[tuple[str, str]]:
     return sorted(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", torchrun_stderr))
 
 
+# What tests/faults.py writes of each process: the process-group threads still running at its exit, and the
+# exit status the script asked for.
+FAULTS_REPORT = re.compile(r"process-group threads at exit: (\[.*?\]); exit status (-?\d+)")
+
+
 def threads_left(stderr: str) -> list[str]:
-    """What tests/faults.py reports of each process: the process-group threads still running at its exit."""
-    return re.findall(r"process-group threads at exit: (\[.*?\]); exit status", stderr)
+    return [threads for threads, _ in FAULTS_REPORT.findall(stderr)]
 
 
 def exit_statuses(stderr: str) -> list[int]:
-    """What tests/faults.py reports of each process: the exit status the script asked for."""
-    return [int(status) for status in re.findall(r"process-group threads at exit: \[.*?\]; exit status (-?\d+)",
-                                                 stderr)]
+    return [int(status) for _, status in FAULTS_REPORT.findall(stderr)]
 
 
 def assert_every_rank_left_on_its_own(torchrun_stderr: str) -> None:
