@@ -122,11 +122,17 @@ MODEL_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_siz
 def initialize(reft_model, optimizer, scheduler, config: dict):
     """The DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
     partitions the base and the interventions across the ranks."""
+    import importlib
     import warnings
 
     import deepspeed
 
     zero = config["zero_optimization"]
+    if reft_model.model.device.type == "cpu":
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce as it starts (g++, ~30 s the first
+        # time) for its inference all-reduce alone, which training never calls. (Looked up by name: the
+        # attribute deepspeed.comm.torch is torch itself.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     if zero["stage"] == 3 and reft_model.model.device.type == "cpu":
         from alpaca.sharding import return_freed_buffers_to_the_os
 

@@ -7,7 +7,11 @@
 #      and at 8 on Llama-3.2-1B's shape (random weights);
 #   2. the host syncs left in train.py's step (torch.cuda.set_sync_debug_mode("warn"));
 #   3. train.py against train_multigpu.py on 1 process (NCCL, DDP) and with --fsdp: max weight and loss
-#      differences, next to two identical train.py runs (bf16 kernels are not bitwise deterministic).
+#      differences, next to two identical train.py runs (bf16 kernels are not bitwise deterministic);
+#   4. the same in float32 for --fsdp and DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload, 2 epochs of the
+#      shipped sample (130 records, global batch 32: each epoch's last step has 1 micro-batch of 4, so FSDP and
+#      DeepSpeed run 3 placeholders there) with dropout 0.1: placeholders draw no dropout masks on CUDA either.
+# SECTIONS picks some (default: "1a 1b 2 3 4").
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
@@ -15,39 +19,35 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
                 || echo examples/data/alpaca_sample.json )}
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+SECTIONS=" ${SECTIONS:-1a 1b 2 3 4} "
 section() { echo; echo "=== $* ($(date +%T))"; }
+wants() { [[ $SECTIONS == *" $1 "* ]]; }
 
 section "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 '| transformers', transformers.__version__)"
 
-section "1a. throughput, SmolLM2-135M"
-timeout 200 $PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA" --batch_sizes 8,32 \
-    --steps 12 || echo "(failed)"
-section "1b. throughput, Llama-3.2-1B shape"
-timeout 100 $PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA" --batch_sizes 8 \
-    --steps 8 --model_shape llama-3.2-1b || echo "(failed)"
+if wants 1a; then
+  section "1a. throughput, SmolLM2-135M"
+  timeout 200 $PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA" --batch_sizes 8,32 \
+      --steps 12 || echo "(failed)"
+fi
+if wants 1b; then
+  section "1b. throughput, Llama-3.2-1B shape"
+  timeout 100 $PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA" --batch_sizes 8 \
+      --steps 8 --model_shape llama-3.2-1b || echo "(failed)"
+fi
 
-COMMON=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 10 --logging_steps 1 --num_sample_answers 0 --per_device_train_batch_size 8)
-section "2. host syncs in train.py's step (steps 3-10; step 10 logs and the run saves)"
-timeout 40 $PYTHON benchmarks/sync_count.py train.py "${COMMON[@]}" --logging_steps 1000 \
-    --output_dir "$OUT/sync" 2>&1 | sed -n '/synchronizing operations/,$p' || echo "(failed)"
-
-section "3. train.py vs train_multigpu.py (1 process, NCCL) and --fsdp"
-timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single" | tail -1 || echo "(failed)"
-timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single-again" | tail -1 || echo "(failed)"
-timeout 40 $PYTHON -m torch.distributed.run --standalone --nproc_per_node 1 train_multigpu.py "${COMMON[@]}" \
-    --output_dir "$OUT/ddp" | tail -1 || echo "(failed)"
-timeout 40 $PYTHON -m torch.distributed.run --standalone --nproc_per_node 1 train_multigpu.py "${COMMON[@]}" \
-    --fsdp --output_dir "$OUT/fsdp" | tail -1 || echo "(failed)"
-$PYTHON - "$OUT" <<'PY'
+# compare REFERENCE NAME...: each run's max weight and loss differences from REFERENCE's (directories in $OUT)
+compare() {
+  $PYTHON - "$OUT" "$@" <<'PY'
 import json, sys
 from pathlib import Path
 
 import torch
 
-out = Path(sys.argv[1])
+out, reference, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 
 def run(name):
     weights = {f"{p.name}/{k}": t.float() for p in sorted((out / name).glob("intkey_*.bin"))
@@ -55,12 +55,49 @@ def run(name):
     losses = [json.loads(line)["loss"] for line in open(out / name / "metrics.jsonl") if '"loss"' in line]
     return weights, losses
 
-reference_weights, reference_losses = run("single")
-for name in ("single-again", "ddp", "fsdp"):
-    weights, losses = run(name)
+reference_weights, reference_losses = run(reference)
+for name in names:
+    try:
+        weights, losses = run(name)
+    except OSError as error:
+        print(f"{name:>14}: no output ({error})")
+        continue
     weight_diff = max((weights[k] - reference_weights[k]).abs().max().item() for k in reference_weights)
     loss_diff = max(abs(a - b) for a, b in zip(losses, reference_losses))
-    print(f"{name:>12} vs train.py: max |weight diff| {weight_diff:.2e}, max |loss diff| {loss_diff:.2e} "
+    print(f"{name:>14} vs {reference}: max |weight diff| {weight_diff:.2e}, max |loss diff| {loss_diff:.2e} "
           f"over {len(losses)} steps")
 PY
+}
+ONE_PROCESS=($PYTHON -m torch.distributed.run --standalone --nproc_per_node 1 train_multigpu.py)
+
+COMMON=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 10 --logging_steps 1 --num_sample_answers 0 --per_device_train_batch_size 8)
+if wants 2; then
+  section "2. host syncs in train.py's step (steps 3-10; step 10 logs and the run saves)"
+  timeout 40 $PYTHON benchmarks/sync_count.py train.py "${COMMON[@]}" --logging_steps 1000 \
+      --output_dir "$OUT/sync" 2>&1 | sed -n '/synchronizing operations/,$p' || echo "(failed)"
+fi
+
+if wants 3; then
+  section "3. train.py vs train_multigpu.py (1 process, NCCL) and --fsdp"
+  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single" | tail -1 || echo "(failed)"
+  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single-again" | tail -1 || echo "(failed)"
+  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/ddp" | tail -1 || echo "(failed)"
+  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --fsdp --output_dir "$OUT/fsdp" | tail -1 || echo "(failed)"
+  compare single single-again ddp fsdp
+fi
+
+if wants 4; then
+  section "4. float32 with placeholders and dropout: --fsdp, DeepSpeed ZeRO-2, ZeRO-3, ZeRO-3 offload (1 process)"
+  FP32=(--model_name_or_path "$MODEL" --data_path examples/data/alpaca_sample.json --num_train_epochs 2
+        --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --dtype float32 --dropout 0.1
+        --logging_steps 1 --num_sample_answers 0)
+  timeout 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32" | tail -1 || echo "(failed)"
+  timeout 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32-again" | tail -1 || echo "(failed)"
+  timeout 50 "${ONE_PROCESS[@]}" "${FP32[@]}" --fsdp --output_dir "$OUT/fp32-fsdp" | tail -1 || echo "(failed)"
+  for config in zero2 zero3 zero3_offload; do
+    timeout 70 "${ONE_PROCESS[@]}" "${FP32[@]}" --deepspeed "examples/deepspeed/$config.json" --output_dir "$OUT/fp32-$config" \
+        2>&1 | tail -3 || echo "(failed)"
+  done
+  compare fp32 fp32-again fp32-fsdp fp32-zero2 fp32-zero3 fp32-zero3_offload
+fi
 echo; echo "done ($(date +%T)); outputs in $OUT"

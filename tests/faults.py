@@ -8,11 +8,12 @@ fail, as a full disk would; `enospc` fails the write of checkpoint-k half-way, l
 Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
 has returned, and the exit status it asks for, are printed last to stderr: a group destroyed for good leaves
 no thread.
+
+In a test's own process (faults that need no process of their own): `with Fault("enospc", 4): main(argv)`.
 """
 
 import errno
 import os
-import runpy
 import signal
 import sys
 from pathlib import Path
@@ -23,67 +24,66 @@ import alpaca.deepspeed  # noqa: E402
 import alpaca.optim  # noqa: E402
 import alpaca.output  # noqa: E402
 
-mode, fault_step = os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0))
-on_this_rank = os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")
-clip_gradients, deepspeed_micro_step = alpaca.optim.clip_gradients, alpaca.deepspeed.micro_step
-steps = 0
 
+class Fault:
+    """While active, the functions the scripts import when they start training are replaced by ones that
+    count the optimizer steps and inject `mode` at `fault_step` (on this rank only if `on_this_rank`)."""
 
-def count_step_with_fault() -> None:
-    """A step's update is about to happen."""
-    global steps
-    steps += 1
-    if mode and steps == fault_step and on_this_rank:
-        if mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif mode in ("sigterm", "sigint"):
-            os.kill(os.getpid(), signal.Signals[mode.upper()])
-        elif mode == "raise":
-            raise RuntimeError(f"injected failure at step {steps}")
+    def __init__(self, mode: str | None, fault_step: int, on_this_rank: bool = True):
+        self.mode, self.fault_step, self.on_this_rank = mode, fault_step, on_this_rank
+        self.steps, self.saving_step = 0, None
+        self.replaced = [(alpaca.optim, "clip_gradients", self.clip_gradients),
+                         (alpaca.deepspeed, "micro_step", self.deepspeed_micro_step),
+                         (alpaca.output, "save_interventions", self.save_interventions),  # the final output
+                         (alpaca.checkpoint, "save_interventions", self.save_interventions),  # checkpoints
+                         (alpaca.checkpoint, "save_checkpoint", self.save_checkpoint),
+                         (alpaca.checkpoint, "write_file", self.write_file)]
+        self.original = {(module, name): getattr(module, name) for module, name, _ in self.replaced}
 
+    def __enter__(self):
+        for module, name, replacement in self.replaced:
+            setattr(module, name, replacement)
+        return self
 
-def clip_gradients_with_fault(*args, **kwargs):
-    count_step_with_fault()
-    return clip_gradients(*args, **kwargs)
+    def __exit__(self, *exc):
+        for (module, name), original in self.original.items():
+            setattr(module, name, original)
 
+    def count_step(self) -> None:
+        """A step's update is about to happen."""
+        self.steps += 1
+        if self.mode and self.steps == self.fault_step and self.on_this_rank:
+            if self.mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.mode in ("sigterm", "sigint"):
+                os.kill(os.getpid(), signal.Signals[self.mode.upper()])
+            elif self.mode == "raise":
+                raise RuntimeError(f"injected failure at step {self.steps}")
 
-def deepspeed_micro_step_with_fault(engine, loss):
-    if engine.is_gradient_accumulation_boundary():  # the step's last micro-batch: DeepSpeed updates after it
-        count_step_with_fault()
-    return deepspeed_micro_step(engine, loss)
+    def clip_gradients(self, *args, **kwargs):
+        self.count_step()
+        return self.original[alpaca.optim, "clip_gradients"](*args, **kwargs)
 
+    def deepspeed_micro_step(self, engine, loss):
+        if engine.is_gradient_accumulation_boundary():  # the step's last micro-batch: DeepSpeed updates after it
+            self.count_step()
+        return self.original[alpaca.deepspeed, "micro_step"](engine, loss)
 
-save_interventions = alpaca.output.save_interventions
-save_checkpoint, write_file = alpaca.checkpoint.save_checkpoint, alpaca.checkpoint.write_file
-saving_step = None
+    def save_interventions(self, *args, **kwargs):
+        if self.mode == "write" and self.steps >= self.fault_step - 1 and self.on_this_rank:
+            raise OSError(28, f"No space left on device (injected after step {self.steps})")
+        return self.original[alpaca.output, "save_interventions"](*args, **kwargs)
 
+    def save_checkpoint(self, output_dir, step, *args, **kwargs):
+        self.saving_step = step
+        return self.original[alpaca.checkpoint, "save_checkpoint"](output_dir, step, *args, **kwargs)
 
-def save_interventions_with_fault(*args, **kwargs):
-    if mode == "write" and steps >= fault_step - 1 and on_this_rank:
-        raise OSError(28, f"No space left on device (injected after step {steps})")
-    return save_interventions(*args, **kwargs)
-
-
-def save_checkpoint_with_fault(output_dir, step, *args, **kwargs):
-    global saving_step
-    saving_step = step
-    return save_checkpoint(output_dir, step, *args, **kwargs)
-
-
-def write_file_with_fault(path, data: bytes) -> None:
-    if mode == "enospc" and saving_step == fault_step:
-        write_file(path, data[: len(data) // 2])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    write_file(path, data)
-
-
-# The scripts import these when they start training.
-alpaca.optim.clip_gradients = clip_gradients_with_fault
-alpaca.deepspeed.micro_step = deepspeed_micro_step_with_fault
-alpaca.output.save_interventions = save_interventions_with_fault  # the final output
-alpaca.checkpoint.save_interventions = save_interventions_with_fault  # checkpoints
-alpaca.checkpoint.save_checkpoint = save_checkpoint_with_fault
-alpaca.checkpoint.write_file = write_file_with_fault
+    def write_file(self, path, data: bytes) -> None:
+        write_file = self.original[alpaca.checkpoint, "write_file"]
+        if self.mode == "enospc" and self.saving_step == self.fault_step:
+            write_file(path, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        write_file(path, data)
 
 
 def process_group_threads() -> list[str]:
@@ -92,13 +92,18 @@ def process_group_threads() -> list[str]:
     return sorted(name for name in names if name.startswith(("gloo", "pt_gloo", "pt_tcpstore")))
 
 
-script, sys.argv = sys.argv[1], sys.argv[1:]
-status = 1  # what the interpreter exits with after an uncaught exception
-try:
-    runpy.run_path(script, run_name="__main__")
-    status = 0
-except SystemExit as exit:
-    status = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-    raise
-finally:  # one write: the ranks share torchrun's stderr, and print() writes the newline apart
-    sys.stderr.write(f"process-group threads at exit: {process_group_threads()}; exit status {status}\n")
+if __name__ == "__main__":
+    import runpy
+
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    status = 1  # what the interpreter exits with after an uncaught exception
+    try:
+        with Fault(os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0)),
+                   on_this_rank=os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")):
+            runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as exit:
+        status = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        raise
+    finally:  # one write: the ranks share torchrun's stderr, and print() writes the newline apart
+        sys.stderr.write(f"process-group threads at exit: {process_group_threads()}; exit status {status}\n")

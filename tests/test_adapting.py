@@ -1,5 +1,6 @@
 """What a researcher changes in a copy: other field names, another prompt. Edits never meet stale caches."""
 
+import importlib.util
 import json
 import re
 import shlex
@@ -44,36 +45,33 @@ def test_a_malformed_field_map_is_one_line(question_answer_data, capsys):
     assert "TARGET one of instruction, input, output" in capsys.readouterr().err
 
 
-TOKENIZE = """
-import sys
-from alpaca.data import load_records, prepare_dataset
-from transformers import AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-print(prepare_dataset(load_records(sys.argv[2]), tokenizer, 512)[0]["prompt_length"])
-"""
+def test_editing_the_prompt_in_a_copy_never_reuses_the_cached_tokenization(tiny_model, tmp_path, monkeypatch):
+    """The tokenization cache is keyed by the code that builds prompts and labels, not only the templates: a copy
+    of alpaca/data.py, edited to another prompt and loaded anew (as a module of its own, in this process), finds
+    the cache the unedited copy filled and tokenizes afresh."""
+    from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    data = tmp_path / "data.py"
+    shutil.copy(REPO / "alpaca" / "data.py", data)
 
-def test_editing_the_prompt_in_a_copy_never_reuses_the_cached_tokenization(tiny_model, tmp_path):
-    """The tokenization cache is keyed by the code that builds prompts and labels, not only the templates."""
-    copy = tmp_path / "copy"
-    shutil.copytree(REPO / "alpaca", copy / "alpaca", ignore=shutil.ignore_patterns("__pycache__"))
-    environment = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PATH": ""}
+    def prompt_length(version: str) -> int:
+        spec = importlib.util.spec_from_file_location(f"data_{version}", data)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)  # as an import does (its dataclasses look it up)
+        spec.loader.exec_module(module)
+        dataset = module.prepare_dataset(module.load_records(str(SAMPLE_DATA)), tokenizer, 512,
+                                         cache_dir=str(tmp_path / "cache"))
+        return dataset[0]["prompt_length"]
 
-    def prompt_length(root):
-        result = subprocess.run([sys.executable, "-c", TOKENIZE, str(tiny_model), str(SAMPLE_DATA)], cwd=root,
-                                env=environment, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return int(result.stdout.split()[-1])
-
-    original = prompt_length(copy)
-    data = copy / "alpaca" / "data.py"
+    original = prompt_length("original")
     source = data.read_text()
     edited = source.replace("def format_prompt(instruction: str, input: str | None = \"\") -> str:\n",
                             "def format_prompt(instruction: str, input: str | None = \"\") -> str:\n"
                             "    return f\"Q: {instruction}\\nA: \"\n")
     assert edited != source
     data.write_text(edited)
-    assert prompt_length(copy) < original  # tokenized afresh with the short template, not read from the cache
+    assert prompt_length("edited") < original  # tokenized afresh with the short template, not read from the cache
 
 
 def guide_sections() -> list[tuple[str, str, list[str]]]:

@@ -4,7 +4,6 @@ plainly and loses nothing."""
 import json
 import os
 import shutil
-import signal
 
 import pytest
 import torch
@@ -18,9 +17,9 @@ from conftest import (
     assert_same_run,
     flags,
     run_in_process,
-    run_script,
     torchrun,
 )
+from faults import Fault
 
 from alpaca.args import UsageError
 from alpaca.checkpoint import MANIFEST, checkpoints, is_complete, latest_checkpoint, load_checkpoint, sha256
@@ -51,12 +50,16 @@ def malicious_pickle(marker, payload: dict) -> bytes:
 
 
 @pytest.fixture(scope="session")
-def killed_run(tiny_model, tiny_data, tmp_path_factory):
-    """train.py killed during step 8 (global batch 8, a checkpoint every 2 steps): checkpoints 2, 4 and 6."""
+def killed_run(reference, tmp_path_factory):
+    """What train.py killed during step 8 leaves (global batch 8, a checkpoint every 2 steps): checkpoints 2, 4 and 6
+    of the reference run, no output. (Killing it for real: test_resume.py.)"""
     directory = tmp_path_factory.mktemp("killed")
-    killed = run_script([FAULTS, "train.py", *flags(tiny_model, tiny_data, directory, *SINGLE)],
-                        env={"FAULT": "kill", "FAULT_STEP": "8"})
-    assert killed.returncode == -signal.SIGKILL
+    shutil.copytree(reference / "single", directory, dirs_exist_ok=True)
+    for path in [directory / "checkpoint-8", directory / "loss.png", directory / "config.json",
+                 *directory.glob("intkey_*.bin")]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    metrics = [line for line in (directory / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] < 8]
+    (directory / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
     assert [path.name for path in checkpoints(directory)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     return directory
 
@@ -126,24 +129,25 @@ def test_a_checkpoint_cut_short_is_incomplete(tmp_path, killed_run):
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, tiny_data, tmp_path, reference,
                                                                    processes):
-    """The write of checkpoint-4 (the second) fails half-way with ENOSPC on rank 0. On 2 processes each rank
-    leaves on its own, and the same files remain; the resume after it is the one process's (rank 0 alone writes
-    and reads checkpoints; an exact 2-process resume: test_resume.py)."""
+    """The write of checkpoint-4 (the second) fails half-way with ENOSPC on rank 0. On 2 processes rank 1 learns
+    it from rank 0, and each rank leaves on its own instead of waiting in the next collective for --ddp_timeout;
+    the same files remain. The resume after it is the one process's (rank 0 alone writes and reads checkpoints;
+    an exact 2-process resume: test_resume.py). One process runs in this one (the fault needs no process)."""
     args = flags(tiny_model, tiny_data, tmp_path, *(SINGLE if processes == 1 else DDP))
-    environment = {"FAULT": "enospc", "FAULT_STEP": "4"}
     if processes == 1:
-        failed = run_script([FAULTS, "train.py", *args], env=environment)
+        with Fault("enospc", 4):
+            status, _, stderr = run_in_process("train.py", args)
     else:
-        failed = torchrun(2, [FAULTS, "train_multigpu.py", *args, "--ddp_timeout", "600"], env=environment,
-                          extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
-        # rank 1 learnt it from rank 0 and left with it, without waiting for --ddp_timeout
+        failed = torchrun(2, [FAULTS, "train_multigpu.py", *args, "--ddp_timeout", "600"],
+                          env={"FAULT": "enospc", "FAULT_STEP": "4"}, extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
         assert_every_rank_left_on_its_own(failed.stderr)
-    assert failed.returncode != 0
-    [message] = [line for line in failed.stderr.splitlines() if "error: writing" in line]  # rank 0's, once
+        status, stderr = failed.returncode, failed.stderr
+    assert status != 0
+    [message] = [line for line in stderr.splitlines() if "error: writing" in line]  # rank 0's, once
     assert f"writing {tmp_path / 'checkpoint-4'} failed: No space left on device" in message
     assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-2'}" in message
     assert "--resume_from_checkpoint auto" in message
-    assert "alpaca/" not in failed.stderr  # no traceback from the scripts (torchrun prints its own summary)
+    assert "alpaca/" not in stderr  # no traceback from the scripts (torchrun prints its own summary)
     assert [path.name for path in tmp_path.iterdir() if "staging" in path.name] == []
     assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-2"] and is_complete(tmp_path / "checkpoint-2")
     if processes == 2:
@@ -153,6 +157,20 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
     assert status == 0, stderr[-3000:]
     assert not (tmp_path / ".checkpoint-3.staging-12345").exists()
     assert_same_run(tmp_path, reference / "single", exact=True)
+
+
+def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_path):
+    """Writing the final output fails (a full disk): one line, exit status 1, the checkpoints stay and no partial
+    output is left. (On 2 processes a failed write on rank 0 stops every rank: above.)"""
+    with Fault("write", 10):
+        status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *SINGLE))
+    assert status == 1, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith(
+        f"train.py: error: writing the output to {tmp_path} failed: No space left on device (injected"), stderr[-3000:]
+    assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-8'}" in stderr
+    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                                             "checkpoint-8"]
+    assert not list(tmp_path.glob("intkey_*.bin")) and not list(tmp_path.glob(".staging*"))
 
 
 def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_run):

@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 import torch
 from conftest import COMMON, FAULTS, assert_same_run, intervention_weights, run_in_process, threads_left, torchrun
 
@@ -72,28 +71,20 @@ def test_ranks_see_disjoint_shards_covering_each_epoch_in_a_new_order():
     assert orders[0] != orders[1] != orders[2]
 
 
-@pytest.fixture(scope="module")
-def bf16_wandb_run(tiny_model, tiny_data, tiny_eval_data, tmp_path_factory):
-    """Two ranks, a bf16 model, wandb (offline) and evaluation: one launch for the tests below."""
-    output_dir = tmp_path_factory.mktemp("bf16-wandb")
-    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
-                          str(tiny_data), *COMMON, "--max_steps", "2", "--dtype", "bfloat16", "--report_to", "wandb",
-                          "--eval_data_path", str(tiny_eval_data), "--output_dir", str(output_dir)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return output_dir, result
-
-
-def test_bf16_output_loads_in_pyreft(tiny_model, bf16_wandb_run):
+def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
     """On a bf16 model pyreft's own loader rebuilds exactly the interventions we trained (not their initial
-    values, which the files would also hold if training changed nothing)."""
+    values, which the files would also hold if training changed nothing). One process: the output is rank 0's."""
     import pyreft
 
     from alpaca.model import build_reft_model, load_base_model
 
-    output_dir, _ = bf16_wandb_run
+    status, _, stderr = run_in_process("train.py", ["--model_name_or_path", tiny_model, "--data_path", tiny_data,
+                                                    *COMMON, "--max_steps", "2", "--dtype", "bfloat16",
+                                                    "--output_dir", tmp_path])
+    assert status == 0, stderr[-3000:]
     base, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
-    reft_model = pyreft.ReftModel.load(str(output_dir), base)
-    saved = intervention_weights(output_dir)
+    reft_model = pyreft.ReftModel.load(str(tmp_path), base)
+    saved = intervention_weights(tmp_path)
     fresh, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
     torch.manual_seed(42)  # the run's --seed: its initial interventions
     initial = build_reft_model(fresh, "1;2", (2, 2), False, rank=4).interventions
@@ -107,9 +98,10 @@ def test_bf16_output_loads_in_pyreft(tiny_model, bf16_wandb_run):
     assert torch.isfinite(outputs.logits).all()
 
 
-def test_wandb_offline_gives_one_run_for_all_ranks(bf16_wandb_run):
-    output_dir, result = bf16_wandb_run
-    runs = list((output_dir / "wandb").glob("offline-run-*"))
+def test_wandb_offline_gives_one_run_for_all_ranks(fsdp_runs):
+    """The two ranks of test_fsdp.py's run (with evaluation) report to wandb offline: one run, from rank 0."""
+    root, result = fsdp_runs
+    runs = list((root / "fsdp" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     assert "logged offline" in result.stdout and "wandb sync" in result.stdout
     logged = next(runs[0].glob("run-*.wandb")).read_bytes()
