@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 13 on one GPU, in about 8 minutes (each part has a timeout). Run from the repository
-# root, with the project's Python as PYTHON (default: python) and the model as MODEL (default: the embedded
+# The GPU checks on one GPU, in about 11 minutes (each part has a timeout; sections 2-4 take 5). Run from the
+# repository root, with the project's Python as PYTHON (default: python) and the model as MODEL (default: the embedded
 # SmolLM2; a directory with the same shapes measures the same speed: benchmarks/random_model.py makes one from
 # config and tokenizer alone). Each throughput batch size takes about 80 s on an H200. Prints, in order:
 #   1. the throughput table (ours vs the HF/pyreft baseline) at per-device batch 8 and 32 on SmolLM2-135M,
@@ -9,7 +9,7 @@
 #   3. train.py against train_multigpu.py on 1 process (NCCL, DDP) and with --fsdp: max weight and loss
 #      differences, next to two identical train.py runs (bf16 kernels are not bitwise deterministic);
 #   4. the same in float32 for --fsdp and DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload, 2 epochs of the
-#      shipped sample (130 records, global batch 32: each epoch's last step has 1 micro-batch of 4, so FSDP and
+#      shipped sample (130 records, global batch 32: each epoch's last step has 1 micro-batch of 2, so FSDP and
 #      DeepSpeed run 3 placeholders there) with dropout 0.1: placeholders draw no dropout masks on CUDA either.
 # SECTIONS picks some (default: "1a 1b 2 3 4").
 set -euo pipefail
@@ -70,7 +70,8 @@ PY
 }
 ONE_PROCESS=($PYTHON -m torch.distributed.run --standalone --nproc_per_node 1 train_multigpu.py)
 
-COMMON=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 10 --logging_steps 1 --num_sample_answers 0 --per_device_train_batch_size 8)
+COMMON=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 10 --logging_steps 1 --num_sample_answers 0
+        --per_device_train_batch_size 8)
 if wants 2; then
   section "2. host syncs in train.py's step (steps 3-10; step 10 logs and the run saves)"
   timeout 40 $PYTHON benchmarks/sync_count.py train.py "${COMMON[@]}" --logging_steps 1000 \
@@ -95,8 +96,8 @@ if wants 4; then
   timeout 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32-again" | tail -1 || echo "(failed)"
   timeout 50 "${ONE_PROCESS[@]}" "${FP32[@]}" --fsdp --output_dir "$OUT/fp32-fsdp" | tail -1 || echo "(failed)"
   for config in zero2 zero3 zero3_offload; do
-    timeout 70 "${ONE_PROCESS[@]}" "${FP32[@]}" --deepspeed "examples/deepspeed/$config.json" --output_dir "$OUT/fp32-$config" \
-        2>&1 | tail -3 || echo "(failed)"
+    timeout 70 "${ONE_PROCESS[@]}" "${FP32[@]}" --deepspeed "examples/deepspeed/$config.json" \
+        --output_dir "$OUT/fp32-$config" 2>&1 | tail -3 || echo "(failed)"
   done
   compare fp32 fp32-again fp32-fsdp fp32-zero2 fp32-zero3 fp32-zero3_offload
 fi
