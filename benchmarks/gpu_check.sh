@@ -59,11 +59,11 @@ reference_weights, reference_losses = run(reference)
 for name in names:
     try:
         weights, losses = run(name)
-    except OSError as error:
-        print(f"{name:>14}: no output ({error})")
+        weight_diff = max((weights[k] - reference_weights[k]).abs().max().item() for k in reference_weights)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, reference_losses))
+    except (OSError, KeyError, ValueError) as error:  # a run that failed or timed out before its output
+        print(f"{name:>14}: no complete output ({error!r})")
         continue
-    weight_diff = max((weights[k] - reference_weights[k]).abs().max().item() for k in reference_weights)
-    loss_diff = max(abs(a - b) for a, b in zip(losses, reference_losses))
     print(f"{name:>14} vs {reference}: max |weight diff| {weight_diff:.2e}, max |loss diff| {loss_diff:.2e} "
           f"over {len(losses)} steps")
 PY
@@ -71,7 +71,7 @@ PY
 ONE_PROCESS=($PYTHON -m torch.distributed.run --standalone --nproc_per_node 1 train_multigpu.py)
 
 COMMON=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 10 --logging_steps 1 --num_sample_answers 0
-        --per_device_train_batch_size 8)
+        --per_device_train_batch_size 8 --overwrite_output_dir)
 if wants 2; then
   section "2. host syncs in train.py's step (steps 3-10; step 10 logs and the run saves)"
   timeout 40 $PYTHON benchmarks/sync_count.py train.py "${COMMON[@]}" --logging_steps 1000 \
@@ -84,14 +84,14 @@ if wants 3; then
   timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single-again" | tail -1 || echo "(failed)"
   timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/ddp" | tail -1 || echo "(failed)"
   timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --fsdp --output_dir "$OUT/fsdp" | tail -1 || echo "(failed)"
-  compare single single-again ddp fsdp
+  compare single single-again ddp fsdp || echo "(compare failed)"
 fi
 
 if wants 4; then
   section "4. float32 with placeholders and dropout: --fsdp, DeepSpeed ZeRO-2, ZeRO-3, ZeRO-3 offload (1 process)"
   FP32=(--model_name_or_path "$MODEL" --data_path examples/data/alpaca_sample.json --num_train_epochs 2
         --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --dtype float32 --dropout 0.1
-        --logging_steps 1 --num_sample_answers 0)
+        --logging_steps 1 --num_sample_answers 0 --overwrite_output_dir)
   timeout 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32" | tail -1 || echo "(failed)"
   timeout 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32-again" | tail -1 || echo "(failed)"
   timeout 50 "${ONE_PROCESS[@]}" "${FP32[@]}" --fsdp --output_dir "$OUT/fp32-fsdp" | tail -1 || echo "(failed)"
@@ -99,6 +99,6 @@ if wants 4; then
     timeout 70 "${ONE_PROCESS[@]}" "${FP32[@]}" --deepspeed "examples/deepspeed/$config.json" \
         --output_dir "$OUT/fp32-$config" 2>&1 | tail -3 || echo "(failed)"
   done
-  compare fp32 fp32-again fp32-fsdp fp32-zero2 fp32-zero3 fp32-zero3_offload
+  compare fp32 fp32-again fp32-fsdp fp32-zero2 fp32-zero3 fp32-zero3_offload || echo "(compare failed)"
 fi
 echo; echo "done ($(date +%T)); outputs in $OUT"

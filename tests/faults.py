@@ -4,7 +4,8 @@
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
 `write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
-fail, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving a partial file.
+fail in its first tensor file, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving
+a partial file.
 Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
 has returned, and the exit status it asks for, are printed last to stderr: a group destroyed for good leaves
 no thread.
@@ -17,6 +18,8 @@ import os
 import signal
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
@@ -70,9 +73,21 @@ class Fault:
         return self.original[alpaca.deepspeed, "micro_step"](engine, loss)
 
     def save_interventions(self, *args, **kwargs):
-        if self.mode == "write" and self.steps >= self.fault_step - 1 and self.on_this_rank:
-            raise OSError(28, f"No space left on device (injected after step {self.steps})")
-        return self.original[alpaca.output, "save_interventions"](*args, **kwargs)
+        save_interventions = self.original[alpaca.output, "save_interventions"]
+        if not (self.mode == "write" and self.steps >= self.fault_step - 1 and self.on_this_rank):
+            return save_interventions(*args, **kwargs)
+        error = OSError(errno.ENOSPC, f"No space left on device (injected after step {self.steps})")
+
+        def cut_short(obj, path, *_, **__) -> None:  # the disk fills up during the first tensor file
+            with open(path, "wb") as file:
+                file.write(b"\0" * 100)
+            raise error
+
+        torch_save, torch.save = torch.save, cut_short
+        try:
+            save_interventions(*args, **kwargs)
+        finally:
+            torch.save = torch_save
 
     def save_checkpoint(self, output_dir, step, *args, **kwargs):
         self.saving_step = step

@@ -159,15 +159,27 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
     assert_same_run(tmp_path, reference / "single", exact=True)
 
 
-def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_path):
-    """Writing the final output fails (a full disk): one line, exit status 1, the checkpoints stay and no partial
-    output is left. (On 2 processes a failed write on rank 0 stops every rank: above.)"""
-    with Fault("write", 10):
-        status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *SINGLE))
-    assert status == 1, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1].startswith(
-        f"train.py: error: writing the output to {tmp_path} failed: No space left on device (injected"), stderr[-3000:]
-    assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-8'}" in stderr
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_path, processes):
+    """Writing the final output fails in its first file (a full disk): one line, exit status 1, the checkpoints
+    stay and no part of the output is left. On 2 processes rank 1 learns it from rank 0 at once, and each rank
+    leaves on its own instead of waiting for --ddp_timeout (the output's write is a call site of its own)."""
+    if processes == 1:
+        with Fault("write", 10):
+            status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *SINGLE))
+        assert status == 1, stderr[-3000:]
+    else:
+        failed = torchrun(2, [FAULTS, "train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *DDP),
+                              "--ddp_timeout", "600"], env={"FAULT": "write", "FAULT_STEP": "10"},
+                          extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
+        assert_every_rank_left_on_its_own(failed.stderr)
+        stderr = failed.stderr
+    script = "train.py" if processes == 1 else "train_multigpu.py"
+    [message] = [line for line in stderr.splitlines() if "error: writing" in line]  # rank 0's, once
+    assert message.startswith(f"{script}: error: writing the output to {tmp_path} failed: No space left on device "
+                              "(injected"), stderr[-3000:]
+    assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-8'}" in message
+    assert "OSError" not in stderr  # one line, not the script's traceback
     assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
                                                              "checkpoint-8"]
     assert not list(tmp_path.glob("intkey_*.bin")) and not list(tmp_path.glob(".staging*"))

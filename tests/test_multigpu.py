@@ -29,8 +29,8 @@ def test_world_size_one_is_train_py_bit_for_bit(runs):
 def test_dataloader_workers_rounded_padding_and_gradient_checkpointing_train_the_same_model(runs):
     """Batches collated in 2 worker processes per rank and padded to a multiple of 16, with
     --gradient_checkpointing under DDP: the same steps, within float noise (the padded shapes sum in another
-    order; under FSDP checkpointing alone changes no bit: test_fsdp.py). Through tests/faults.py without a
-    fault: the finished ranks leave no process-group thread."""
+    order; under FSDP: test_fsdp.py's resume). Through tests/faults.py without a fault: the finished ranks
+    leave no process-group thread."""
     root, data = runs
     result = torchrun(2, [FAULTS, "train_multigpu.py", *data, "--output_dir", str(root / "workers"),
                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
@@ -73,14 +73,15 @@ def test_ranks_see_disjoint_shards_covering_each_epoch_in_a_new_order():
 
 def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
     """On a bf16 model pyreft's own loader rebuilds exactly the interventions we trained (not their initial
-    values, which the files would also hold if training changed nothing). One process: the output is rank 0's."""
+    values, which the files would also hold if training changed nothing). One process of train_multigpu.py (2
+    ranks train in bf16 in test_resume.py's stop-signal runs)."""
     import pyreft
 
     from alpaca.model import build_reft_model, load_base_model
 
-    status, _, stderr = run_in_process("train.py", ["--model_name_or_path", tiny_model, "--data_path", tiny_data,
-                                                    *COMMON, "--max_steps", "2", "--dtype", "bfloat16",
-                                                    "--output_dir", tmp_path])
+    status, _, stderr = run_in_process("train_multigpu.py", ["--model_name_or_path", tiny_model, "--data_path",
+                                                             tiny_data, *COMMON, "--max_steps", "2", "--dtype",
+                                                             "bfloat16", "--output_dir", tmp_path])
     assert status == 0, stderr[-3000:]
     base, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
     reft_model = pyreft.ReftModel.load(str(tmp_path), base)

@@ -121,10 +121,11 @@ def child_pids(pid: int) -> list[int]:
 ])
 def test_a_stop_signal_checkpoints_every_rank(tiny_model, tiny_data, tmp_path, target, signal_number):
     """Each rank checkpoints, exits with 128 + the signal number (as SLURM and torchrun users read it), and has
-    destroyed its process group before its interpreter exits (tests/faults.py, without a fault, reports both)."""
+    destroyed its process group before its interpreter exits (tests/faults.py, without a fault, reports both).
+    On a bf16 base, which no other run of 2 ranks uses."""
     args = ["--nproc_per_node", "2", "--master_port", str(free_port()), FAULTS, "train_multigpu.py",
             *flags(tiny_model, tiny_data, tmp_path, "--gradient_accumulation_steps", "2", "--max_steps", "400",
-                   "--save_strategy", "no")]
+                   "--save_strategy", "no", "--dtype", "bfloat16")]
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
