@@ -204,6 +204,19 @@ def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
     return status, stdout.getvalue(), stderr.getvalue()
 
 
+def copy_as_killed(run_dir: Path, directory: Path, last_checkpoint: int) -> Path:
+    """What the finished run in `run_dir` would have left had it been killed after writing checkpoint
+    `last_checkpoint` (runs are deterministic): its later checkpoints, its output and later metrics gone."""
+    shutil.copytree(run_dir, directory, dirs_exist_ok=True)
+    later = [path for path in checkpoints(directory) if int(path.name.split("-")[1]) > last_checkpoint]
+    for path in [*later, directory / "loss.png", directory / "config.json", *directory.glob("intkey_*.bin")]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    metrics = [line for line in (directory / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["step"] <= last_checkpoint]
+    (directory / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+    return directory
+
+
 def intervention_weights(directory) -> dict[str, torch.Tensor]:
     return {f"{path.name}/{name}": tensor for path in sorted(Path(directory).glob("intkey_*.bin"))
             for name, tensor in torch.load(path, weights_only=True).items()}

@@ -15,6 +15,7 @@ from conftest import (
     SINGLE,
     assert_every_rank_left_on_its_own,
     assert_same_run,
+    copy_as_killed,
     flags,
     run_in_process,
     torchrun,
@@ -53,13 +54,7 @@ def malicious_pickle(marker, payload: dict) -> bytes:
 def killed_run(reference, tmp_path_factory):
     """What train.py killed during step 8 leaves (global batch 8, a checkpoint every 2 steps): checkpoints 2, 4 and 6
     of the reference run, no output. (Killing it for real: test_resume.py.)"""
-    directory = tmp_path_factory.mktemp("killed")
-    shutil.copytree(reference / "single", directory, dirs_exist_ok=True)
-    for path in [directory / "checkpoint-8", directory / "loss.png", directory / "config.json",
-                 *directory.glob("intkey_*.bin")]:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    metrics = [line for line in (directory / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] < 8]
-    (directory / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+    directory = copy_as_killed(reference / "single", tmp_path_factory.mktemp("killed"), 6)
     assert [path.name for path in checkpoints(directory)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     return directory
 

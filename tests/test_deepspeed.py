@@ -2,11 +2,20 @@
 its checkpoints, and clear errors for configs that cannot work."""
 
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import DDP, FAULTS, REPO, assert_same_run, flags, intervention_weights, run_in_process, torchrun
+from conftest import (
+    DDP,
+    FAULTS,
+    REPO,
+    assert_same_run,
+    copy_as_killed,
+    flags,
+    intervention_weights,
+    run_in_process,
+    torchrun,
+)
 
 from alpaca.checkpoint import TRAINER_STATE, checkpoints
 from alpaca.model import load_base_model
@@ -76,10 +85,7 @@ def test_zero3_resumes_a_single_process_checkpoint_to_the_ddp_model(runs, tmp_pa
     status, _, stderr = run_in_process("train.py", [*data, "--output_dir", single, "--per_device_train_batch_size",
                                                     "2", "--gradient_accumulation_steps", "4", *every_2_steps])
     assert status == 0, stderr[-3000:]
-    output_dir = tmp_path / "out"
-    shutil.copytree(single, output_dir)
-    for path in [*checkpoints(output_dir)[2:], *output_dir.glob("intkey_*.bin")]:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    output_dir = copy_as_killed(single, tmp_path / "out", 4)
     result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(output_dir), "--per_device_train_batch_size",
                           "2", "--gradient_accumulation_steps", "2", *every_2_steps, "--deepspeed",
                           str(config_file(tmp_path, 3)), "--num_sample_answers", "1", "--max_new_tokens", "4",
