@@ -121,22 +121,28 @@ def test_a_checkpoint_cut_short_is_incomplete(tmp_path, killed_run):
         load_checkpoint(tmp_path / "checkpoint-6")
 
 
+def failed_run(processes: int, mode: str, step: int, tiny_model, tiny_data, output_dir) -> tuple[int, str]:
+    """(exit status, stderr) of a run whose write fails (tests/faults.py's `mode` at `step`): train.py in this
+    process, or train_multigpu.py on 2 ranks, where rank 1 must learn it from rank 0 and each rank leave on its
+    own instead of waiting in the next collective for --ddp_timeout."""
+    if processes == 1:
+        with Fault(mode, step):
+            status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, output_dir, *SINGLE))
+        return status, stderr
+    failed = torchrun(2, [FAULTS, "train_multigpu.py", *flags(tiny_model, tiny_data, output_dir, *DDP),
+                          "--ddp_timeout", "600"], env={"FAULT": mode, "FAULT_STEP": str(step)},
+                      extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
+    assert_every_rank_left_on_its_own(failed.stderr)
+    return failed.returncode, failed.stderr
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, tiny_data, tmp_path, reference,
                                                                    processes):
-    """The write of checkpoint-4 (the second) fails half-way with ENOSPC on rank 0. On 2 processes rank 1 learns
-    it from rank 0, and each rank leaves on its own instead of waiting in the next collective for --ddp_timeout;
-    the same files remain. The resume after it is the one process's (rank 0 alone writes and reads checkpoints;
-    an exact 2-process resume: test_resume.py). One process runs in this one (the fault needs no process)."""
-    args = flags(tiny_model, tiny_data, tmp_path, *(SINGLE if processes == 1 else DDP))
-    if processes == 1:
-        with Fault("enospc", 4):
-            status, _, stderr = run_in_process("train.py", args)
-    else:
-        failed = torchrun(2, [FAULTS, "train_multigpu.py", *args, "--ddp_timeout", "600"],
-                          env={"FAULT": "enospc", "FAULT_STEP": "4"}, extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
-        assert_every_rank_left_on_its_own(failed.stderr)
-        status, stderr = failed.returncode, failed.stderr
+    """The write of checkpoint-4 (the second) fails half-way with ENOSPC on rank 0; on 2 processes each rank
+    leaves on its own, and the same files remain. The resume after it is the one process's (rank 0 alone writes
+    and reads checkpoints; an exact 2-process resume: test_resume.py)."""
+    status, stderr = failed_run(processes, "enospc", 4, tiny_model, tiny_data, tmp_path)
     assert status != 0
     [message] = [line for line in stderr.splitlines() if "error: writing" in line]  # rank 0's, once
     assert f"writing {tmp_path / 'checkpoint-4'} failed: No space left on device" in message
@@ -148,7 +154,8 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
     if processes == 2:
         return
     (tmp_path / ".checkpoint-3.staging-12345").mkdir()  # left by a run killed while writing
-    status, _, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
+    status, _, stderr = run_in_process("train.py", [*flags(tiny_model, tiny_data, tmp_path, *SINGLE),
+                                                    "--resume_from_checkpoint", "auto"])
     assert status == 0, stderr[-3000:]
     assert not (tmp_path / ".checkpoint-3.staging-12345").exists()
     assert_same_run(tmp_path, reference / "single", exact=True)
@@ -157,18 +164,11 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_path, processes):
     """Writing the final output fails in its first file (a full disk): one line, exit status 1, the checkpoints
-    stay and no part of the output is left. On 2 processes rank 1 learns it from rank 0 at once, and each rank
-    leaves on its own instead of waiting for --ddp_timeout (the output's write is a call site of its own)."""
+    stay and no part of the output is left; on 2 processes each rank leaves on its own (the output's write is a
+    call site of its own)."""
+    status, stderr = failed_run(processes, "write", 10, tiny_model, tiny_data, tmp_path)
     if processes == 1:
-        with Fault("write", 10):
-            status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *SINGLE))
         assert status == 1, stderr[-3000:]
-    else:
-        failed = torchrun(2, [FAULTS, "train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *DDP),
-                              "--ddp_timeout", "600"], env={"FAULT": "write", "FAULT_STEP": "10"},
-                          extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
-        assert_every_rank_left_on_its_own(failed.stderr)
-        stderr = failed.stderr
     script = "train.py" if processes == 1 else "train_multigpu.py"
     [message] = [line for line in stderr.splitlines() if "error: writing" in line]  # rank 0's, once
     assert message.startswith(f"{script}: error: writing the output to {tmp_path} failed: No space left on device "

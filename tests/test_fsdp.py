@@ -117,14 +117,6 @@ def test_fsdp_resume_from_an_end_of_epoch_checkpoint_after_a_killed_rank(tiny_mo
     assert_same_run(tmp_path / "two", reference / "single-no-dropout")
 
 
-def test_fsdp_offload_needs_cuda(tiny_model, tiny_data, tmp_path):
-    status, _, stderr = run_in_process("train_multigpu.py", [
-        "--model_name_or_path", tiny_model, "--data_path", tiny_data, "--output_dir", tmp_path, "--fsdp",
-        "full_shard offload", "--layers", "1;2"])
-    assert status == 2
-    assert "--fsdp offload keeps the shards in CPU memory for GPUs" in stderr
-
-
 def test_sharded_load_gives_the_checkpoints_weights(tmp_path):
     """--fsdp's load on 3 ranks: built on meta, sharded, each rank reading its slices of the safetensors file.
     The gathered weights, buffers and logits are those of the model loaded whole, with untied and with tied

@@ -10,7 +10,8 @@ from faults import process_group_threads
 
 
 def test_no_process_group_thread_outlives_a_usage_error(tiny_model, tiny_data, tmp_path):
-    """One process, stopped by a usage error found once the group exists; its exit status is asserted exactly.
+    """One process, stopped by a usage error found once the group exists (--fsdp offload without CUDA); its exit
+    status is asserted exactly.
     In this process: the threads it would leave are this process's. On 2 ranks, in test_resume.py: an error (a
     rank raising), and SIGTERM and SIGINT from outside."""
     assert process_group_threads() == []  # none left by an earlier run in this process
