@@ -10,7 +10,8 @@ Several GPUs: `torchrun --nproc_per_node N train_multigpu.py` with the same flag
 import os
 import sys
 
-from alpaca.args import UsageError, exit_on_usage_error, parse_args
+from alpaca.args import exit_on_usage_error, parse_args
+from alpaca.errors import UsageError
 
 PROG = "train.py"
 

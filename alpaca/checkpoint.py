@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from alpaca.args import StorageError, UsageError
+from alpaca.errors import StorageError, UsageError
 from alpaca.output import ARGS_FILE, save_interventions
 
 PREFIX = "checkpoint-"

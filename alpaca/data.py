@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from alpaca.args import UsageError, cache_root
+from alpaca.args import cache_root
+from alpaca.errors import UsageError
 
 IGNORE_INDEX = -100
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from alpaca.args import UsageError
+from alpaca.errors import UsageError
 
 T = TypeVar("T")
 OK, FAILED = 0, 1

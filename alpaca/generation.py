@@ -8,6 +8,7 @@ import textwrap
 import torch
 
 from alpaca.data import encode_prompts, intervention_locations, render_prompt
+from alpaca.workarounds import set_train_mode
 
 # Held out from the shipped training data: they show whether the learned behaviour generalizes.
 SAMPLE_INSTRUCTIONS = [
@@ -23,8 +24,6 @@ def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], s
            prompt_template: str = "alpaca", synced_ranks: bool = False) -> tuple[str, str]:
     """(base answer, ReFT answer). The prompt is rendered as in training (`prompt_template`), and the
     interventions act on its positions only."""
-    from alpaca.model import set_train_mode
-
     device = reft_model.get_device()
     text = render_prompt(tokenizer, instruction, input, prompt_template)
     prompt = encode_prompts(tokenizer, [text], prompt_template, return_tensors="pt").to(device)

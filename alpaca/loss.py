@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
 from alpaca.data import IGNORE_INDEX
-
-# torch.tensor(tensor) in pyvene's hooks warns that clone() is the recommended copy; the copy is what we want.
-warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
+from alpaca.workarounds import set_train_mode
 
 
 def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: bool = False) -> torch.Tensor:
@@ -76,8 +72,6 @@ def evaluate(reft_model, dataset, batches: list[list[int]], collate, device: tor
     `num_forwards` beyond len(batches) adds forwards whose result is dropped: a sharded (FSDP) base
     answers only when every rank runs each forward, and ranks may hold one batch fewer than others.
     """
-    from alpaca.model import set_train_mode
-
     set_train_mode(reft_model, False)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     try:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import os
 import shutil
 import tempfile
@@ -12,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, UsageError, cache_root, parse_layers
+from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, cache_root, parse_layers
+from alpaca.errors import UsageError
+from alpaca.workarounds import import_pyreft, keep_foreign_hooks, scatter_on_device, set_train_mode
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -52,13 +52,6 @@ def embedded_model_dir(cache_dir: str | None = None) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def import_pyreft():
-    """`import pyreft`, without pyvene's "nnsight is not detected" line (an optional backend we don't use)."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        import pyreft
-    return pyreft
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -214,49 +207,6 @@ def enable_gradient_checkpointing(model) -> None:
 
     for layer in decoder_layers(model):
         checkpoint(layer)
-
-
-def keep_foreign_hooks(reft_model) -> None:
-    """pyvene's cleanup, run at every forward, deletes *every* forward (pre-)hook on the model, not only its
-    own: FSDP2's unshard/reshard hooks vanish and the next forward meets sharded DTensor weights. Make
-    it delete pyvene's hooks only."""
-
-    def remove_pyvene_hooks() -> None:
-        for module in reft_model.model.modules():
-            for hooks in (module._forward_hooks, module._forward_pre_hooks):
-                for hook_id, hook in list(hooks.items()):
-                    if getattr(hook, "__module__", "").startswith("pyvene"):
-                        del hooks[hook_id]
-                        module._forward_hooks_with_kwargs.pop(hook_id, None)
-                        module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
-
-    reft_model._remove_forward_hooks = remove_pyvene_hooks
-
-
-def scatter_on_device(reft_model) -> None:
-    """pyvene writes intervened positions back (modeling_utils.scatter_neurons) through a batch index it builds
-    on the CPU: on CUDA that index is a blocking host-to-device copy in every hook, forward and backward. Make
-    the same write with the index on the activation's device."""
-    pyvene_scatter = reft_model._scatter_intervention_output
-
-    def scatter(output, intervened, key, unit_locations):
-        representation = reft_model.representations[key]
-        if (unit_locations is None or reft_model.use_fast or isinstance(output, dict) or representation.unit != "pos"
-                or representation.component != "block_output"):
-            return pyvene_scatter(output, intervened, key, unit_locations)
-        hidden = output[0] if isinstance(output, tuple) else output
-        batch_index = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1)
-        hidden[batch_index, torch.as_tensor(unit_locations, device=hidden.device)] = intervened
-        return hidden
-
-    reft_model._scatter_intervention_output = scatter
-
-
-def set_train_mode(reft_model, training: bool) -> None:
-    """pyvene's `train()`/`eval()` switch only the base model and leave the interventions (and their
-    dropout) in whatever mode they were built: the frozen base stays in eval, interventions follow."""
-    reft_model.model.eval()
-    reft_model.interventions.train(training)
 
 
 def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:

@@ -53,8 +53,10 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     """
     import pickle
 
-    from alpaca.args import INTERVENTIONS, UsageError
-    from alpaca.model import import_intervention, import_pyreft, keep_foreign_hooks, new_intervention, set_train_mode
+    from alpaca.args import INTERVENTIONS
+    from alpaca.errors import UsageError
+    from alpaca.model import import_intervention, new_intervention
+    from alpaca.workarounds import import_pyreft, keep_foreign_hooks, set_train_mode
 
     directory = Path(directory)
     try:

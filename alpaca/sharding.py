@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from alpaca.args import UsageError
+from alpaca.errors import UsageError
 
 
 def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str | None = None):

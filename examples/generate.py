@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 
-from alpaca.args import UsageError, exit_on_usage_error, parse_position  # noqa: E402
+from alpaca.args import exit_on_usage_error, parse_position  # noqa: E402
+from alpaca.errors import UsageError  # noqa: E402
 
 PROG = "generate.py"
 

@@ -229,8 +229,9 @@ def reloaded_eval_loss(run_dir, model_dir, records) -> float:
 
     from alpaca.args import parse_position
     from alpaca.data import format_prompt, intervention_locations
-    from alpaca.model import load_base_model, num_intervened_layers, set_train_mode
+    from alpaca.model import load_base_model, num_intervened_layers
     from alpaca.output import load_reft_model
+    from alpaca.workarounds import set_train_mode
 
     model, tokenizer = load_base_model(str(model_dir), torch.float32, torch.device("cpu"))
     reft_model = load_reft_model(run_dir, model)

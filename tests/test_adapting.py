@@ -11,8 +11,9 @@ import sys
 import pytest
 from conftest import REPO, SAMPLE_DATA, run_script
 
-from alpaca.args import UsageError, parse_args
+from alpaca.args import parse_args
 from alpaca.data import load_records
+from alpaca.errors import UsageError
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from conftest import (
 )
 from faults import Fault
 
-from alpaca.args import UsageError
 from alpaca.checkpoint import MANIFEST, checkpoints, is_complete, latest_checkpoint, load_checkpoint, sha256
+from alpaca.errors import UsageError
 
 
 class RunsCode:

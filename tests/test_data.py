@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import build_tiny_model, with_chat_template
 
-from alpaca.args import UsageError
 from alpaca.data import (
     IGNORE_INDEX,
     Collator,
@@ -27,6 +26,7 @@ from alpaca.data import (
     render_prompt,
     tokenize,
 )
+from alpaca.errors import UsageError
 from alpaca.model import load_base_model
 
 

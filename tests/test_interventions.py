@@ -12,12 +12,12 @@ from alpaca.data import Collator, load_records, tokenize
 from alpaca.loss import summed_token_loss
 from alpaca.model import (
     build_reft_model,
-    import_pyreft,
     intervention_parameters,
     load_base_model,
     optimizer_param_groups,
 )
 from alpaca.output import load_reft_model, save_interventions
+from alpaca.workarounds import import_pyreft
 
 POSITION = (3, 3)
 CPU = torch.device("cpu")

@@ -1,0 +1,14 @@
+"""The two kinds of failure a user sees as one line and an exit status, never as a traceback."""
+
+
+class UsageError(ValueError):
+    """A user mistake: reported as one line and a non-zero exit, never as a traceback."""
+
+    exit_code = 2
+
+
+class StorageError(UsageError):
+    """A write that failed for a reason outside the program (disk full, quota, permissions): reported the same
+    way, with exit status 1 (it is not a mistake on the command line)."""
+
+    exit_code = 1

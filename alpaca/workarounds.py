@@ -1,0 +1,76 @@
+"""Every place these scripts work around pyvene 0.1.8 or pyreft 0.1.0 (the pinned versions), in one module.
+
+An upgrade of either re-checks each function below against the upstream behaviour its docstring names;
+tests/test_interventions.py and tests/test_fsdp.py fail where one is no longer needed or no longer enough.
+Also worked around elsewhere, for a reason local to that code: `alpaca.output.load_reft_model` (pyreft's
+`ReftModel.load`: NoReFT's bias, bf16 learned sources, arbitrary imports) and `alpaca.deepspeed.ReftModule`
+(pyvene's `named_parameters` lists the interventions only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+
+import torch
+
+# pyvene's hooks copy index tensors with torch.tensor(tensor), which warns that clone() is the recommended
+# copy; the copy is what we want.
+warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
+
+
+def import_pyreft():
+    """`import pyreft`, without pyvene's "nnsight is not detected" line (an optional backend we don't use)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        import pyreft
+    return pyreft
+
+
+def keep_foreign_hooks(reft_model) -> None:
+    """pyvene's cleanup, run at every forward, deletes *every* forward (pre-)hook on the model, not only its
+    own: FSDP2's unshard/reshard hooks vanish and the next forward meets sharded DTensor weights. Make
+    it delete pyvene's hooks only."""
+
+    def remove_pyvene_hooks() -> None:
+        for module in reft_model.model.modules():
+            for hooks in (module._forward_hooks, module._forward_pre_hooks):
+                for hook_id, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("pyvene"):
+                        del hooks[hook_id]
+                        module._forward_hooks_with_kwargs.pop(hook_id, None)
+                        module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+
+    reft_model._remove_forward_hooks = remove_pyvene_hooks
+
+
+def scatter_on_device(reft_model) -> None:
+    """pyvene writes intervened positions back (modeling_utils.scatter_neurons) through a batch index it builds
+    on the CPU: on CUDA that index is a blocking host-to-device copy in every hook, forward and backward. Make
+    the same write with the index on the activation's device."""
+    pyvene_scatter = reft_model._scatter_intervention_output
+
+    def scatter(output, intervened, key, unit_locations):
+        representation = reft_model.representations[key]
+        if (unit_locations is None or reft_model.use_fast or isinstance(output, dict) or representation.unit != "pos"
+                or representation.component != "block_output"):
+            return pyvene_scatter(output, intervened, key, unit_locations)
+        hidden = output[0] if isinstance(output, tuple) else output
+        batch_index = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1)
+        hidden[batch_index, torch.as_tensor(unit_locations, device=hidden.device)] = intervened
+        return hidden
+
+    reft_model._scatter_intervention_output = scatter
+
+
+def index_tensors_on(reft_model, device: torch.device) -> None:
+    """pyvene builds its index tensors on `get_device()`, the base model's device: the CPU for a base whose
+    shards FSDP offloads there, while the activations are on the GPU. Build them where the activations are."""
+    reft_model.get_device = lambda: device
+
+
+def set_train_mode(reft_model, training: bool) -> None:
+    """pyvene's `train()`/`eval()` switch only the base model and leave the interventions (and their
+    dropout) in whatever mode they were built: the frozen base stays in eval, interventions follow."""
+    reft_model.model.eval()
+    reft_model.interventions.train(training)
