@@ -30,11 +30,29 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args) -> None:
+    """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU)."""
+    import time
+
+    import torch
+
+    started = time.perf_counter()
+    if torch.cuda.is_available():
+        device = torch.device("cuda:0")
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        if torch.cuda.device_count() > 1:
+            print(f"{torch.cuda.device_count()} GPUs visible; train.py uses cuda:0. To train on all of them: "
+                  f"torchrun --nproc_per_node {torch.cuda.device_count()} train_multigpu.py <same flags>")
+    else:
+        device = torch.device("cpu")
+    run(args, device, started)
+
+
+def run(args, device, started: float) -> None:
+    """Everything on the device: data, model, the training loop, the output."""
     import time
 
     import numpy as np
-    import torch
-    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
@@ -45,143 +63,87 @@ def train(args) -> None:
         restore_training_state,
         rng_state,
         save_checkpoint,
-        storage_errors,
+        save_output,
         trainer_state,
     )
-    from alpaca.data import (
-        Collator,
-        GlobalBatchSampler,
-        StepCollator,
-        dataloader_worker_init,
-        eval_batches,
-        load_splits,
-        prepare_dataset,
-    )
+    from alpaca.data import eval_batches, step_loader
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import (
-        build_reft_model,
-        check_model,
         describe,
-        enable_gradient_checkpointing,
         intervention_parameters,
-        load_base_model,
-        num_intervened_layers,
         resolve_dtype,
     )
-    from alpaca.optim import StepPlan, build_optimizer, clip_gradients
-    from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
+    from alpaca.optim import StepPlan, build_optimizer, clip_and_step
+    from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
 
-    started = time.perf_counter()
-    # -- device: one, never nn.DataParallel ---------------------------------------------------------
-    if torch.cuda.is_available():
-        device = torch.device("cuda:0")
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        if torch.cuda.device_count() > 1:
-            print(f"{torch.cuda.device_count()} GPUs visible; train.py uses cuda:0. To train on all of them: "
-                  f"torchrun --nproc_per_node {torch.cuda.device_count()} train_multigpu.py <same flags>")
-    else:
-        device = torch.device("cpu")
+    stop = StopSignal()
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
+    dtype = resolve_dtype(args.dtype, device)
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
-    # -- data and model: what can be checked is checked before the model's weights are loaded ------------
-    records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
-                                        args.max_n_train_example, args.seed, args.field_map)
-    model_path = check_model(args)  # --layers and --rank against the model's config, the chat template
-    model, tokenizer = load_base_model(model_path, resolve_dtype(args.dtype, device), device,
-                                       args.cache_dir)
-    dataset = prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
-    eval_dataset = (prepare_dataset(eval_records, tokenizer, args.model_max_length, args.cache_dir,
-                                    args.prompt_template) if eval_records is not None else None)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
-    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention)
-    num_layers = num_intervened_layers(reft_model, position, args.share_weights)
-    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
-    parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+    # -- data and model --------------------------------------------------------------------------------
+    tokenizer, reft_model, dataset, eval_dataset, num_layers, collate = load_data_and_model(
+        args, dtype, position, device)
 
-    # -- optimization: global batch = per_device x 1 process x accumulation ---------------------------
+    # -- optimization: global batch = per_device x 1 process x accumulation --------------------------------
     plan = StepPlan.from_args(args, len(dataset), world_size=1)
     optimizer, scheduler = build_optimizer(reft_model, args, plan)
-    step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
+    step, start_epoch, start_batch, saved_window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
     if resume_from is not None:
-        step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
+        step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
             load_checkpoint(resume_from), args, reft_model, optimizer, scheduler, 0, 1, len(dataset), device)
-    print(f"{describe(reft_model, len(dataset), device)}\n"
-          f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
-          f"{args.gradient_accumulation_steps} accumulation | {plan.total_steps} steps ({plan.steps_per_epoch} "
-          f"per epoch)" + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
-          + (f" | resuming {resume_from} at step {step}" if resume_from else "")
-          + f" | ready in {time.perf_counter() - started:.1f}s")
-
-    # -- train --------------------------------------------------------------------------------------
+    parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+    print(start_line(describe(reft_model, len(dataset), device), plan, args, eval_dataset and len(eval_dataset),
+                     resume_from, step, time.perf_counter() - started))
     resolved = dict(world_size=1, global_batch_size=plan.global_batch_size, total_steps=plan.total_steps)
     save_args(args, args.output_dir, **resolved)
     metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
-    stop = StopSignal()
+    window = LogWindow(device, *saved_window[:2])
 
     def checkpoint(epoch: int, next_batch: int):
         """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the plan."""
         return save_checkpoint(args.output_dir, step, reft_model, trainer_state(
-            step=step, epoch=epoch, next_batch=next_batch, window=window.tolist(),
+            step=step, epoch=epoch, next_batch=next_batch, window=window.totals().tolist(),
             optimizer_state=optimizer.state_dict(), scheduler=scheduler, rng_states=[rng_state(device)], args=args,
             world_size=1, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit)
 
     # -- data: one item per optimizer step, its micro-batches collated (in workers, ahead of the step) -------
-    sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                                 shuffle=True, seed=args.seed,
-                                 lengths=np.array(dataset["length"]) if args.group_by_length else None)
-    loader = DataLoader(dataset, batch_sampler=sampler,
-                        collate_fn=StepCollator(collate, args.per_device_train_batch_size),
-                        num_workers=args.dataloader_num_workers, pin_memory=device.type == "cuda",
-                        persistent_workers=args.dataloader_num_workers > 0, worker_init_fn=dataloader_worker_init,
-                        # Each epoch's iterator draws a seed for its workers: from this generator, not from the
-                        # global RNG, whose stream (dropout) a resumed run must continue exactly.
-                        generator=torch.Generator())
+    loader = step_loader(dataset, collate, args, pin_memory=device.type == "cuda")
+    sampler = loader.batch_sampler
     eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
 
+    # -- train --------------------------------------------------------------------------------------
     progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True)
-    # summed loss, label tokens, tokens seen since the last log: on the device, read once per logging step
-    window = torch.tensor(window, dtype=torch.float64, device=device)
+    eval_time, epoch = 0.0, start_epoch
     train_start = window_start = time.perf_counter()
-    total_tokens, eval_time, epoch = 0, 0.0, start_epoch
     while step < plan.total_steps:
         sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
             end_of_epoch = index == len(sampler.global_batches) - 1
+            step_label_tokens = sum(batch["num_label_tokens"] for batch in micro_batches)
             if stop.received:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
                 path = checkpoint(epoch, next_batch=index)
                 metrics.close()
                 print(f"{PROG}: stopped by {stop.name} after step {step}; checkpoint in {path}. "
                       f"Resume with --resume_from_checkpoint auto", file=sys.stderr)
                 sys.exit(stop.exit_code)
-            step_label_tokens = sum(batch["num_label_tokens"] for batch in micro_batches)
             learning_rate = scheduler.get_last_lr()[0]
             for batch in micro_batches:
                 summed_loss = summed_token_loss(reft_model, batch, device)
                 token_weighted_loss(summed_loss, step_label_tokens).backward()
-                window[0] += summed_loss.detach()
-                window[1] += batch["num_label_tokens"]
-                window[2] += batch["num_tokens"]
-            grad_norm = clip_gradients(parameters, args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                window.add(summed_loss, batch)
+            grad_norm = clip_and_step(parameters, optimizer, scheduler, args.max_grad_norm)
             step += 1
             progress.update()
             if plan.should_log(step):
-                logged = window.tolist()  # the host waits for the device here, once per logging step
+                logged = window.totals()
                 now = time.perf_counter()
-                metrics.write(train_record(step, plan.steps_per_epoch, logged, learning_rate, float(grad_norm),
-                                           now - window_start, now - train_start), progress)
-                total_tokens += int(logged[2])
-                window.zero_()
+                metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate,
+                                           float(grad_norm), now - window_start, now - train_start), progress)
+                window.reset()
                 window_start = time.perf_counter()
             if plan.should_evaluate(step, end_of_epoch):
                 eval_start = time.perf_counter()
@@ -200,16 +162,46 @@ def train(args) -> None:
     train_time = time.perf_counter() - train_start - eval_time
 
     # -- output ---------------------------------------------------------------------------------------
-    with storage_errors(f"writing the output to {args.output_dir}", args.output_dir):
-        save_interventions(reft_model, args.output_dir)
-        metrics.close()
-        plot_loss(args.output_dir)
-    print(f"Trained to step {step} in {train_time:.0f}s ({total_tokens / train_time:.0f} tokens/s); "
+    answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
+               if args.num_sample_answers > 0 else None)
+    save_output(reft_model, metrics, args.output_dir)
+    print(f"Trained to step {step} in {train_time:.0f}s ({window.tokens_seen / train_time:.0f} tokens/s); "
           f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
           f"{args.output_dir}/")
-    if args.num_sample_answers > 0:
-        print(sample_answers(reft_model, tokenizer, args, position, num_layers))
+    if answers:
+        print(answers)
     print(f"Done in {time.perf_counter() - started:.0f}s.")
+
+
+def load_data_and_model(args, dtype, position: tuple[int, int], device):
+    """The data and the ReFT model; what can be checked is checked before the model's weights are loaded."""
+    import torch
+
+    from alpaca.data import Collator, load_splits, prepare_dataset
+    from alpaca.model import (
+        build_reft_model,
+        check_model,
+        enable_gradient_checkpointing,
+        load_base_model,
+        num_intervened_layers,
+    )
+
+    records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
+                                        args.max_n_train_example, args.seed, args.field_map)
+    model_path = check_model(args)  # --layers and --rank against the model's config, the chat template
+    model, tokenizer = load_base_model(model_path, dtype, device, args.cache_dir)
+    dataset, eval_dataset = [None if split is None
+                             else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir,
+                                                  args.prompt_template)
+                             for split in (records, eval_records)]
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
+    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
+                                  args.intervention)
+    num_layers = num_intervened_layers(reft_model, position, args.share_weights)
+    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
+    return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate
 
 
 if __name__ == "__main__":

@@ -69,19 +69,14 @@ def train(args) -> None:
 
 def run(args, device, backend: str, started: float) -> None:
     """Everything between the process group's creation and its destruction."""
-    import contextlib
-    import resource
     import sys
     import time
 
     import numpy as np
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from alpaca import deepspeed as zero  # the --deepspeed strategy (DeepSpeed ZeRO)
     from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
@@ -90,46 +85,19 @@ def run(args, device, backend: str, started: float) -> None:
         restore_training_state,
         rng_state,
         save_checkpoint,
-        storage_errors,
+        save_output,
         trainer_state,
     )
-    from alpaca.data import (
-        Collator,
-        GlobalBatchSampler,
-        StepCollator,
-        dataloader_worker_init,
-        eval_batches,
-        load_splits,
-        prepare_dataset,
-    )
-    from alpaca.distributed import (
-        average_gradients,
-        broadcast_from_rank_zero,
-        first_on_local_main,
-        local_parameter_bytes,
-        no_forward_buffer_sync,
-        run_checked,
-        shard_base_model,
-    )
+    from alpaca.data import eval_batches, step_loader
+    from alpaca.distributed import main_rank_result, run_checked
     from alpaca.generation import sample_answers
-    from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
-    from alpaca.model import (
-        build_reft_model,
-        check_model,
-        describe,
-        enable_gradient_checkpointing,
-        intervention_parameters,
-        load_base_model,
-        num_intervened_layers,
-        resolve_dtype,
-    )
-    from alpaca.optim import StepPlan, build_optimizer, clip_gradients
-    from alpaca.output import MetricsLog, eval_record, plot_loss, save_args, save_interventions, train_record
-    from alpaca.sharding import load_shards
-    from alpaca.workarounds import index_tensors_on
+    from alpaca.loss import evaluate
+    from alpaca.model import describe, resolve_dtype
+    from alpaca.optim import StepPlan, build_optimizer
+    from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+    from alpaca.strategy import choose_strategy, local_parameter_bytes
 
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     is_main = rank == 0
     if not is_main:  # other ranks print errors only
         quiet_non_main_rank()
@@ -137,105 +105,44 @@ def run(args, device, backend: str, started: float) -> None:
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
     dtype = resolve_dtype(args.dtype, device)
-    deepspeed_config = args.deepspeed_config if args.deepspeed else None
-    if deepspeed_config:
-        zero.check_for_device(deepspeed_config, args.deepspeed, device, dtype)
-    # A sharded base answers only when every rank runs each forward (evaluation, sample answers).
-    shards_base = bool(args.fsdp) or bool(deepspeed_config) and zero.stage(deepspeed_config) == 3
-    # Refuses to clobber an earlier run, before anything is loaded; rank 0 owns output_dir.
-    resume_from = run_checked(lambda: prepare_output_dir(args), participate=is_main, device=device)
+    strategy = choose_strategy(args, device, dtype)  # DDP, --fsdp or --deepspeed: the one place that asks
+    resume_from = main_rank_result(lambda: prepare_output_dir(args), is_main, device)  # before anything loads
 
-    # -- data and model: checked before the weights load; caches are filled by each node's first
-    # process (model conversion, tokenization), then read by the others ------------------------------
-    records, eval_records = run_checked(
-        lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
-                            args.seed, args.field_map), participate=True, device=device)
-    model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
-    # Under --fsdp the base is built empty (meta device); once sharded, each rank reads only its shards.
-    model, tokenizer = load_base_model(model_path, dtype,
-                                       torch.device("meta") if args.fsdp else device, args.cache_dir)
-    dataset, eval_dataset = first_on_local_main(
-        lambda: [None if split is None
-                 else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
-                 for split in (records, eval_records)], local_rank, device)
-    if len(dataset) < world_size:
-        raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
-                         "at least one; use fewer processes or more data")
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
-    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention)
-    torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
-    num_layers = num_intervened_layers(reft_model, position, args.share_weights)
-    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
-    parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+    # -- data and model --------------------------------------------------------------------------------
+    tokenizer, reft_model, dataset, eval_dataset, num_layers, collate = load_data_and_model(
+        args, strategy, dtype, position, device)
 
-    # -- optimization: the global batch is the same as train.py's with world_size = 1 ---------------
+    # -- optimization: global batch = per_device x world_size x accumulation, train.py's with one process ----
     plan = StepPlan.from_args(args, len(dataset), world_size)
     optimizer, scheduler = build_optimizer(reft_model, args, plan)
-    parameter_groups = [list(group["params"]) for group in optimizer.param_groups]  # DeepSpeed swaps them out
-    step, start_epoch, start_batch, window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
-    # broadcast_object_list needs the resume decision on every rank, not only rank 0
-    resume = [resume_from]
-    dist.broadcast_object_list(resume, src=0)
-    if resume[0] is not None:
-        # Rank 0 reads the checkpoint and sends it: other nodes need not see rank 0's disk.
-        loaded = [run_checked(lambda: load_checkpoint(resume[0]), participate=is_main, device=device)]
-        dist.broadcast_object_list(loaded, src=0)
-        # Under DeepSpeed the optimizer state goes into its partitions, once its engine exists.
-        step, start_epoch, start_batch, window, wandb_run_id = restore_training_state(
-            loaded[0], args, reft_model, None if args.deepspeed else optimizer, scheduler, rank, world_size,
-            len(dataset), device)
-
-    # -- DDP, FSDP for the base, or DeepSpeed ZeRO: only the interventions train ---------------------
-    engine = None  # DeepSpeed's: it reduces, clips and steps
-    if args.fsdp:  # the base is sharded; the interventions' gradients are averaged by hand, once a step
-        offload = "offload" in args.fsdp.split()
-        shard_base_model(model, device, offload=offload)
-        load_shards(model, model_path, torch.device("cpu") if offload else device, args.cache_dir)
-        reft_model.interventions.to(device)
-        index_tensors_on(reft_model, device)
-        broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
-        train_model = reft_model
-    elif args.deepspeed:
-        engine = train_model = zero.initialize(reft_model, optimizer, scheduler, deepspeed_config)
-        if resume[0] is not None:
-            zero.load_optimizer_state(engine, optimizer, parameter_groups, loaded[0][1]["optimizer"])
-    else:  # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's
-        # fixed base) never change: no re-broadcast before each forward.
-        train_model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
-                                              device_ids=[local_rank] if device.type == "cuda" else None)
-    with zero.gathered(reft_model.interventions, deepspeed_config):  # ZeRO-3 partitions them: compare them whole
-        check_replicated(parameters, device, ddp_model=None if args.fsdp or args.deepspeed else train_model)
-    backward = torch.Tensor.backward if engine is None else lambda loss: zero.micro_step(engine, loss)
-    base_bytes = local_parameter_bytes(model)
-    layout = ("sharded (FSDP)" if args.fsdp else "replicated (DDP)" if engine is None else
-              f"{'sharded' if shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(deepspeed_config)})")
+    step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
+    if resume_from is not None:
+        loaded = main_rank_result(lambda: load_checkpoint(resume_from), is_main, device)
+        step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
+            loaded, args, reft_model, None, scheduler, rank, world_size, len(dataset), device)
+        optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
+    summary = describe(reft_model, len(dataset), device)  # before a strategy partitions the parameters
+    train_model = strategy.wrap(reft_model, optimizer, scheduler, optimizer_state)
+    base_bytes = local_parameter_bytes(reft_model.model)
+    metrics = None  # rank 0's
     if is_main:
-        print(f"{describe(reft_model, len(dataset), device)}\n"
-              f"global batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
-              f"{world_size} processes x {args.gradient_accumulation_steps} accumulation | {plan.total_steps} "
-              f"steps ({plan.steps_per_epoch} per epoch) | {backend} | base model "
-              f"{layout}: {base_bytes / 2**20:.1f} MiB of parameters on rank 0"
-              + (f" | eval: {len(eval_dataset)} examples, {args.eval_strategy}" if eval_dataset else "")
-              + (f" | resuming {resume[0]} at step {step}" if resume[0] else "")
-              + f" | ready in {time.perf_counter() - started:.1f}s", flush=True)
+        placement = f" | {backend} | base model {strategy.layout}: {base_bytes / 2**20:.1f} MiB of parameters on rank 0"
+        print(start_line(summary, plan, args, eval_dataset and len(eval_dataset), resume_from, step,
+                         time.perf_counter() - started, world_size, placement), flush=True)
         resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
                         total_steps=plan.total_steps, base_parameter_bytes_per_rank=base_bytes)
         save_args(args, args.output_dir, **resolved)
         metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
+    window = LogWindow(device, *saved_window[:2])
 
     def checkpoint(epoch: int, next_batch: int):
         """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
         rng_states = [None] * world_size
         dist.all_gather_object(rng_states, rng_state(device))
-        global_window = window.clone()  # the logging window so far, summed over ranks
+        global_window = window.totals()  # the logging window so far, summed over ranks
         dist.all_reduce(global_window)
-        # Under DeepSpeed every rank assembles torch's full state from the partitions (collectives).
-        optimizer_state = (optimizer.state_dict() if engine is None
-                           else zero.optimizer_state(engine, optimizer, parameter_groups))
-        with zero.gathered(reft_model.interventions, deepspeed_config):
+        optimizer_state = strategy.optimizer_state()  # under DeepSpeed, assembled from the partitions
+        with strategy.gathered():
             return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
                 step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(),
                 optimizer_state=optimizer_state, scheduler=scheduler, rng_states=rng_states, args=args,
@@ -243,32 +150,17 @@ def run(args, device, backend: str, started: float) -> None:
                 args.save_total_limit), participate=is_main, device=device)
 
     # -- data: each rank's share of each global batch, one item per optimizer step, collated in workers ------
-    sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                                 num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 lengths=np.array(dataset["length"]) if args.group_by_length else None)
-    loader = DataLoader(dataset, batch_sampler=sampler,
-                        collate_fn=StepCollator(collate, args.per_device_train_batch_size),
-                        num_workers=args.dataloader_num_workers, pin_memory=device.type == "cuda",
-                        persistent_workers=args.dataloader_num_workers > 0, worker_init_fn=dataloader_worker_init,
-                        # Each epoch's iterator draws a seed for its workers: from this generator, not from the
-                        # global RNG, whose stream (dropout) a resumed run must continue exactly.
-                        generator=torch.Generator())
-    # What a rank whose share of a (partial) global batch falls short of its micro-steps runs, at zero weight.
-    placeholder = collate([dataset[0]])
-    rng_devices = [device] if device.type == "cuda" else []  # fork_rng saves the CPU generator's state always
-    # Each rank evaluates every world_size-th batch; with a sharded base all ranks run as many forwards.
-    eval_plan = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
-                 if eval_dataset else [])
-    eval_forwards = -(-len(eval_plan) // world_size) if shards_base else None
+    loader = step_loader(dataset, collate, args, device.type == "cuda", num_replicas=world_size, rank=rank)
+    sampler = loader.batch_sampler
+    placeholder = collate([dataset[0]])  # run at zero weight where a rank's share of a global batch falls short
+    eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
     # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
     host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
 
     # -- train ------------------------------------------------------------------------------------
     progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
                     disable=not is_main)
-    # loss sum, label tokens, tokens seen: on the device, read once per logging step
-    window = torch.tensor(window, dtype=torch.float64, device=device)
-    rank_tokens, eval_time, epoch = 0, 0.0, start_epoch
+    eval_time, epoch = 0.0, start_epoch
     dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
     train_start = window_start = time.perf_counter()
     while step < plan.total_steps:
@@ -290,51 +182,24 @@ def run(args, device, backend: str, started: float) -> None:
                           f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
                 sys.exit(stop.exit_code if stop.received else 1)
             learning_rate = scheduler.get_last_lr()[0]
-            # A short share runs zero-weight placeholders: one, last, under DDP (its gradient all-reduce needs
-            # every rank); every missing one under FSDP, whose forwards all-gather the base's shards, and under
-            # DeepSpeed, which communicates in every backward. They draw no dropout masks (the RNG state is put
-            # back), so the real micro-batches draw the same ones under every strategy.
-            missing = args.gradient_accumulation_steps - len(micro_batches)
-            if missing:
-                micro_batches = [*micro_batches, *[None] * (missing if args.fsdp or args.deepspeed else 1)]
-            for micro_step, batch in enumerate(micro_batches):
-                last = micro_step == len(micro_batches) - 1
-                # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
-                with (contextlib.nullcontext() if last or args.fsdp or args.deepspeed else train_model.no_sync(),
-                      torch.random.fork_rng(rng_devices) if batch is None else contextlib.nullcontext()):
-                    summed_loss = summed_token_loss(train_model, batch or placeholder, device)
-                    if batch is None:
-                        summed_loss = summed_loss * 0.0
-                    backward(token_weighted_loss(summed_loss, step_label_tokens, world_size))
-                if batch is not None:
-                    window[0] += summed_loss.detach()
-                    window[1] += batch["num_label_tokens"]
-                    window[2] += batch["num_tokens"]
-                    rank_tokens += batch["num_tokens"]
-            if engine is not None:  # it clipped and stepped in its last micro-step
-                grad_norm = engine.get_global_grad_norm()
-            else:
-                if args.fsdp:
-                    average_gradients(parameters, world_size)
-                grad_norm = clip_gradients(parameters, args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+            backward_step(strategy, train_model, micro_batches, args.gradient_accumulation_steps, placeholder,
+                          step_label_tokens, window, device)
+            grad_norm = strategy.step()
             step += 1
             progress.update()
             if plan.should_log(step):
-                logged = window.clone()
+                logged = window.totals()
                 dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
                 if is_main:
                     now = time.perf_counter()
                     metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate,
                                                float(grad_norm), now - window_start, now - train_start), progress)
-                window.zero_()
+                window.reset()
                 window_start = time.perf_counter()
             if plan.should_evaluate(step, end_of_epoch):
                 eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_plan[rank::world_size], collate, device,
-                                  eval_forwards)
+                totals = evaluate(reft_model, eval_dataset, eval_plan, collate, device, rank, world_size,
+                                  strategy.shards_base)
                 dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
                 seconds = time.perf_counter() - eval_start
                 if is_main:
@@ -350,35 +215,101 @@ def run(args, device, backend: str, started: float) -> None:
     progress.close()
     train_time = time.perf_counter() - train_start - eval_time
 
-    # -- report: throughput and peak memory of every rank ---------------------------------------------
-    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    per_rank = torch.tensor([rank_tokens / train_time, peak_memory, base_bytes], dtype=torch.float64,
-                            device=device)
-    gathered = [torch.zeros_like(per_rank) for _ in range(world_size)]
-    dist.all_gather(gathered, per_rank)
+    # -- output: throughput and peak memory of every rank; rank 0 writes, and if that fails every rank exits
+    # with an error instead of hanging. A sharded base answers only with every rank taking part.
+    throughput = gather_rank_report(window.tokens_seen / train_time, base_bytes, device)
+    answers = (sample_answers(reft_model, tokenizer, args, position, num_layers, synced_ranks=strategy.shards_base)
+               if args.num_sample_answers > 0 and (is_main or strategy.shards_base) else None)
 
-    # -- output: rank 0 writes; if that fails, every rank exits with an error instead of hanging ---------
     def write_outputs() -> None:
-        with storage_errors(f"writing the output to {args.output_dir}", args.output_dir):
-            save_interventions(reft_model, args.output_dir)
-            metrics.close()
-            plot_loss(args.output_dir)
-        rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
-                          for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
-        print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: "
-              f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates}); "
+        save_output(reft_model, metrics, args.output_dir)
+        print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: {throughput}; "
               f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
               f"{args.output_dir}/")
         if answers:
             print(answers)
         print(f"Done in {time.perf_counter() - started:.0f}s.")
 
-    # A sharded base answers only with every rank taking part; a replicated one on rank 0 alone.
-    answers = (sample_answers(reft_model, tokenizer, args, position, num_layers, synced_ranks=shards_base)
-               if args.num_sample_answers > 0 and (is_main or shards_base) else None)
-    with zero.gathered(reft_model.interventions, deepspeed_config):
+    with strategy.gathered():
         run_checked(write_outputs, participate=is_main, device=device)
+
+
+def backward_step(strategy, train_model, micro_batches: list[dict], accumulation_steps: int, placeholder: dict,
+                  step_label_tokens: int, window, device) -> None:
+    """Forward and backward of this rank's micro-batches of one optimizer step, each weighted by the label
+    tokens of the whole global batch. A short share runs zero-weight placeholders, as many as the strategy's
+    collectives need; they draw no dropout masks (the RNG state is put back), so the real micro-batches draw
+    the same ones under every strategy."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from alpaca.loss import summed_token_loss, token_weighted_loss
+
+    missing = accumulation_steps - len(micro_batches)
+    micro_batches = [*micro_batches, *[None] * strategy.placeholders(missing)]
+    rng_devices = [device] if device.type == "cuda" else []  # fork_rng saves the CPU generator's state always
+    for micro_step, batch in enumerate(micro_batches):
+        with (strategy.micro_step(last=micro_step == len(micro_batches) - 1),
+              torch.random.fork_rng(rng_devices) if batch is None else contextlib.nullcontext()):
+            summed_loss = summed_token_loss(train_model, batch or placeholder, device)
+            if batch is None:
+                summed_loss = summed_loss * 0.0
+            strategy.backward(token_weighted_loss(summed_loss, step_label_tokens, dist.get_world_size()))
+        if batch is not None:
+            window.add(summed_loss, batch)
+
+
+def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device):
+    """The data and the ReFT model, checked before the weights load. Caches are filled by each node's first
+    process (model conversion, tokenization), then read by the others."""
+    import torch
+    import torch.distributed as dist
+
+    from alpaca.data import Collator, load_splits, prepare_dataset
+    from alpaca.distributed import first_on_local_main, run_checked
+    from alpaca.model import build_reft_model, check_model, enable_gradient_checkpointing, num_intervened_layers
+
+    rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+    records, eval_records = run_checked(
+        lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
+                            args.seed, args.field_map), participate=True, device=device)
+    model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
+    model, tokenizer = strategy.load_base(model_path, dtype, args.cache_dir)
+    dataset, eval_dataset = first_on_local_main(
+        lambda: [None if split is None
+                 else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
+                 for split in (records, eval_records)], local_rank, device)
+    if len(dataset) < world_size:
+        raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
+                         "at least one; use fewer processes or more data")
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
+    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
+                                  args.intervention)
+    torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
+    num_layers = num_intervened_layers(reft_model, position, args.share_weights)
+    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
+    return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate
+
+
+def gather_rank_report(tokens_per_s: float, base_bytes: int, device) -> str:
+    """Tokens/s, peak memory and base parameter bytes of every rank, on every rank (a collective)."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    per_rank = torch.tensor([tokens_per_s, peak_memory, base_bytes], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, per_rank)
+    rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
+                      for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
+    return f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates})"
 
 
 def quiet_non_main_rank() -> None:
@@ -397,25 +328,6 @@ def quiet_non_main_rank() -> None:
     transformers.utils.logging.disable_progress_bar()
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
-
-
-def check_replicated(parameters: list, device, ddp_model=None) -> None:
-    """Every trainable parameter is one DDP synchronizes (under DDP), and all ranks hold identical values."""
-    import torch
-    import torch.distributed as dist
-
-    if ddp_model is not None:
-        synchronized = {id(p) for module in ddp_model.module.modules() for p in module.parameters(recurse=False)
-                        if p.requires_grad}
-        missing = [p for p in parameters if id(p) not in synchronized]
-        if missing:
-            raise RuntimeError(f"{len(missing)} trainable parameters are outside the DDP module; they would diverge")
-    checksum = torch.stack([p.detach().double().sum() for p in parameters]).to(device)
-    lowest, highest = checksum.clone(), checksum.clone()
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    if not torch.equal(lowest, highest):
-        raise RuntimeError("the interventions differ across ranks after DDP's broadcast")
 
 
 if __name__ == "__main__":

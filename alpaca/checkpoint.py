@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from alpaca.errors import StorageError, UsageError
-from alpaca.output import ARGS_FILE, save_interventions
+from alpaca.output import ARGS_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
 MANIFEST = "manifest.json"
@@ -173,6 +173,14 @@ def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
             f"{what} failed: {reason} ({shutil.disk_usage(output_dir).free / 2**20:.0f} MiB free there). "
             + (f"The newest intact checkpoint is {newest}: " if newest else "No checkpoint was saved before: ")
             + "make room (or fix the permissions), then rerun with --resume_from_checkpoint auto") from None
+
+
+def save_output(reft_model, metrics, output_dir: str | os.PathLike) -> None:
+    """The run's final output: the interventions (pyreft's format), the closed metrics log and loss.png."""
+    with storage_errors(f"writing the output to {output_dir}", output_dir):
+        save_interventions(reft_model, output_dir)
+        metrics.close()
+        plot_loss(output_dir)
 
 
 def tensor_bytes(state: dict) -> bytes:

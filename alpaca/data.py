@@ -448,6 +448,24 @@ def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     return math.ceil(num_examples / global_batch_size)
 
 
+def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas: int = 1, rank: int = 0):
+    """A DataLoader of one item per optimizer step: this rank's micro-batches of it, collated (in workers with
+    --dataloader_num_workers, ahead of the step). Its `batch_sampler` is the plan: set_epoch, set_start."""
+    from torch import Generator
+    from torch.utils.data import DataLoader
+
+    sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                 num_replicas=num_replicas, rank=rank, shuffle=True, seed=args.seed,
+                                 lengths=np.array(dataset["length"]) if args.group_by_length else None)
+    return DataLoader(dataset, batch_sampler=sampler,
+                      collate_fn=StepCollator(collate, args.per_device_train_batch_size),
+                      num_workers=args.dataloader_num_workers, pin_memory=pin_memory,
+                      persistent_workers=args.dataloader_num_workers > 0, worker_init_fn=dataloader_worker_init,
+                      # Each epoch's iterator draws a seed for its workers: from this generator, not from the
+                      # global RNG, whose stream (dropout) a resumed run must continue exactly.
+                      generator=Generator())
+
+
 def dataloader_worker_init(worker_id: int) -> None:
     """DataLoader workers ignore SIGTERM and SIGINT. A cluster or a terminal signals every process of the
     job, workers included; a worker dying of it would fail the step that waits for its batch before

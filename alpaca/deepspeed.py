@@ -29,6 +29,7 @@ import torch
 
 from alpaca.deepspeed_config import stage
 from alpaca.errors import UsageError
+from alpaca.sharding import return_freed_buffers_to_the_os
 
 
 def check_for_device(config: dict, path: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -81,8 +82,6 @@ def initialize(reft_model, optimizer, scheduler, config: dict):
         # attribute deepspeed.comm.torch is torch itself.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     if zero["stage"] == 3 and reft_model.model.device.type == "cpu":
-        from alpaca.sharding import return_freed_buffers_to_the_os
-
         return_freed_buffers_to_the_os()  # as under --fsdp: each forward gathers and frees whole modules
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":

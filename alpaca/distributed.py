@@ -74,87 +74,16 @@ def run_checked(fn: Callable[[], T], participate: bool, device: torch.device) ->
     return result
 
 
+def main_rank_result(fn: Callable[[], T], is_main: bool, device: torch.device) -> T:
+    """`fn` on rank 0 alone (it owns the output directory), its result sent to every rank: other nodes need
+    not see rank 0's disk. A failure stops every rank at once."""
+    result = [run_checked(fn, participate=is_main, device=device)]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
 def first_on_local_main(fn: Callable[[], T], local_rank: int, device: torch.device) -> T:
     """`fn` on each node's local rank 0 first (it fills a cache: model conversion, tokenization), then on
     the others, which find the cache. A failure on the first ones stops every rank at once."""
     result = run_checked(fn, participate=local_rank == 0, device=device)
     return result if local_rank == 0 else fn()
-
-
-def shard_base_model(model, device: torch.device, offload: bool = False) -> None:
-    """FSDP2 over the frozen base: each decoder layer is a unit, all-gathered just before it runs and freed
-    after; so are untied input embeddings and LM head, the largest units of a small model. The root unit
-    holds the rest (final norm; tied embeddings, one parameter, gathered for the whole forward and
-    backward). Build the ReFT model first: pyvene finds its hook points by the model's class, which
-    `fully_shard` replaces.
-
-    The interventions are not sharded: a few thousand parameters, replicated, whose gradients
-    `average_gradients` all-reduces once per step. The base is frozen, so FSDP never reduces gradients.
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    from alpaca.model import decoder_layers
-    from alpaca.sharding import return_freed_buffers_to_the_os
-
-    options = {}
-    if device.type == "cpu":
-        return_freed_buffers_to_the_os()
-    if device.type == "cuda":
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
-        if offload:
-            options["offload_policy"] = CPUOffloadPolicy()
-    elif offload:
-        raise UsageError("--fsdp offload keeps the shards in CPU memory for GPUs; on CPUs drop 'offload'")
-    units = decoder_layers(model)
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is not None and head.weight is not embeddings.weight:
-        units = [embeddings, *units, head]
-    for unit in units:
-        fully_shard(unit, **options)
-    fully_shard(model, **options)
-
-
-def local_parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
-    partitions), the rest whole."""
-    from torch.distributed.tensor import DTensor
-
-    def held(parameter: torch.Tensor) -> int:
-        if isinstance(parameter, DTensor):
-            return parameter.to_local().nbytes
-        # ZeRO-3: the partition, plus the whole tensor while it is gathered (between forwards, only small
-        # parameters below stage3_param_persistence_threshold stay whole)
-        return parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
-
-    return sum(held(parameter) for parameter in module.parameters())
-
-
-def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:
-    """What DDP does at construction, for modules outside DDP: every rank starts from rank 0's values.
-    NCCL sends contiguous tensors only (the orthogonal parametrization's are not)."""
-    for tensor in tensors:
-        sent = tensor.data.contiguous()
-        dist.broadcast(sent, src=0)
-        if sent is not tensor.data:
-            tensor.data.copy_(sent)
-
-
-def no_forward_buffer_sync() -> dict[str, bool]:
-    """DDP's option not to re-broadcast buffers before every forward: `forward_sync_buffers` since torch
-    2.13, `broadcast_buffers` (deprecated there) before."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
-
-
-def average_gradients(parameters: list[torch.Tensor], world_size: int) -> None:
-    """DDP's gradient averaging, in one flat all-reduce, for replicated parameters outside DDP."""
-    grads = [p.grad for p in parameters]
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat)
-    flat /= world_size
-    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        grad.copy_(synced)

@@ -64,14 +64,17 @@ def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world
 
 
 @torch.no_grad()
-def evaluate(reft_model, dataset, batches: list[list[int]], collate, device: torch.device,
-             num_forwards: int | None = None) -> torch.Tensor:
-    """(summed token loss, label tokens) over `batches`, in float64 on `device`, with the interventions in
-    eval mode (no dropout). Ranks all-reduce these two numbers: the eval loss is their ratio.
+def evaluate(reft_model, dataset, eval_plan: list[list[int]], collate, device: torch.device, rank: int = 0,
+             world_size: int = 1, sharded_base: bool = False) -> torch.Tensor:
+    """(summed token loss, label tokens) over this rank's batches of `eval_plan` (every world_size-th), in
+    float64 on `device`, with the interventions in eval mode (no dropout). Ranks all-reduce these two
+    numbers: the eval loss is their ratio.
 
-    `num_forwards` beyond len(batches) adds forwards whose result is dropped: a sharded (FSDP) base
-    answers only when every rank runs each forward, and ranks may hold one batch fewer than others.
+    A sharded base (FSDP, ZeRO-3) answers only when every rank runs each forward, and ranks may hold one
+    batch fewer than others: those run a forward more, whose result is dropped.
     """
+    batches = eval_plan[rank::world_size]
+    num_forwards = -(-len(eval_plan) // world_size) if sharded_base else len(batches)
     set_train_mode(reft_model, False)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     try:
@@ -79,7 +82,7 @@ def evaluate(reft_model, dataset, batches: list[list[int]], collate, device: tor
             batch = collate([dataset[i] for i in indices])
             totals[0] += summed_token_loss(reft_model, batch, device).double()
             totals[1] += batch["num_label_tokens"]
-        for _ in range((num_forwards or 0) - len(batches)):
+        for _ in range(num_forwards - len(batches)):
             summed_token_loss(reft_model, collate([dataset[0]]), device)
     finally:
         set_train_mode(reft_model, True)

@@ -12,6 +12,7 @@ import torch
 
 from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, cache_root, parse_layers
 from alpaca.errors import UsageError
+from alpaca.sharding import empty_base_model
 from alpaca.workarounds import import_pyreft, keep_foreign_hooks, scatter_on_device, set_train_mode
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,8 +116,6 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
     if device.type == "meta":
-        from alpaca.sharding import empty_base_model
-
         return empty_base_model(path, dtype, cache_dir), tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)
     model.requires_grad_(False)
@@ -174,11 +173,9 @@ def new_intervention(intervention_class, hidden_size: int, rank: int, dtype: tor
 
 
 def describe(reft_model, num_examples: int, device) -> str:
-    def numel(parameter: torch.Tensor) -> int:
-        return getattr(parameter, "ds_numel", parameter.numel())  # ZeRO-3 partitioned: the whole tensor's count
-
-    trainable = sum(numel(p) for _, p in intervention_parameters(reft_model))
-    base = sum(numel(p) for p in reft_model.model.parameters())
+    """Data, trainable and base sizes: read before a strategy partitions the parameters."""
+    trainable = sum(p.numel() for _, p in intervention_parameters(reft_model))
+    base = sum(p.numel() for p in reft_model.model.parameters())
     return (f"{num_examples} examples | {trainable:,} trainable parameters in {len(reft_model.interventions)} "
             f"interventions | base model {base:,} parameters ({reft_model.model.dtype}) on {device}")
 

@@ -69,7 +69,13 @@ def build_optimizer(reft_model, args: argparse.Namespace, plan: StepPlan):
     return optimizer, scheduler
 
 
-def clip_gradients(parameters: list[torch.Tensor], max_grad_norm: float) -> torch.Tensor:
-    """Clip to --max_grad_norm (0 disables) and return the norm before clipping, on the device: reading it
-    would make the host wait for the step, so it is read only when logged."""
-    return torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm > 0 else math.inf)
+def clip_and_step(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler,
+                  max_grad_norm: float) -> torch.Tensor:
+    """Clip to --max_grad_norm (0 disables), step the optimizer and the schedule, clear the gradients. Returns
+    the norm before clipping, on the device: reading it would make the host wait for the step, so it is read
+    only when logged."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm > 0 else math.inf)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

@@ -15,6 +15,11 @@ from urllib.parse import urlparse
 
 import torch
 
+from alpaca.args import INTERVENTIONS
+from alpaca.errors import UsageError
+from alpaca.model import import_intervention, new_intervention
+from alpaca.workarounds import import_pyreft, keep_foreign_hooks, set_train_mode
+
 ARGS_FILE = "training_args.json"
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT_FILE = "loss.png"
@@ -53,10 +58,6 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     """
     import pickle
 
-    from alpaca.args import INTERVENTIONS
-    from alpaca.errors import UsageError
-    from alpaca.model import import_intervention, new_intervention
-    from alpaca.workarounds import import_pyreft, keep_foreign_hooks, set_train_mode
 
     directory = Path(directory)
     try:
@@ -99,9 +100,48 @@ def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved
         json.dump({**vars(args), **resolved}, file, indent=2, default=str)
 
 
+class LogWindow:
+    """What training saw since the last log: the summed token loss (on the device: reading it makes the host
+    wait for the step, so it is read once per logging step), and the label tokens and tokens (counted on
+    the host by the collator)."""
+
+    def __init__(self, device: torch.device, loss_sum: float = 0.0, label_tokens: float = 0.0) -> None:
+        self.loss_sum = torch.tensor(loss_sum, dtype=torch.float64, device=device)
+        self.label_tokens, self.tokens = label_tokens, 0
+        self.tokens_seen = 0  # since the start of this process, for its throughput
+
+    def add(self, summed_loss: torch.Tensor, batch: dict) -> None:
+        self.loss_sum += summed_loss.detach()
+        self.label_tokens += batch["num_label_tokens"]
+        self.tokens += batch["num_tokens"]
+        self.tokens_seen += batch["num_tokens"]
+
+    def totals(self) -> torch.Tensor:
+        """[summed loss, label tokens, tokens] in float64 on the device: what ranks all-reduce, a log record
+        reads and a checkpoint keeps."""
+        counts = torch.tensor([self.label_tokens, self.tokens], dtype=torch.float64, device=self.loss_sum.device)
+        return torch.cat([self.loss_sum.view(1), counts])
+
+    def reset(self) -> None:
+        self.loss_sum.zero_()
+        self.label_tokens, self.tokens = 0, 0
+
+
+def start_line(summary: str, plan, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
+               ready_s: float, processes: int = 1, placement: str = "") -> str:
+    """The line a run starts with: data and model, the global batch and the plan, where it resumes."""
+    per_process = f"{processes} processes x " if processes > 1 or placement else ""
+    return (f"{summary}\nglobal batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
+            f"{per_process}{args.gradient_accumulation_steps} accumulation | {plan.total_steps} steps "
+            f"({plan.steps_per_epoch} per epoch){placement}"
+            + (f" | eval: {eval_size} examples, {args.eval_strategy}" if eval_size else "")
+            + (f" | resuming {resume_from} at step {step}" if resume_from else "")
+            + f" | ready in {ready_s:.1f}s")
+
+
 def train_record(step: int, steps_per_epoch: int, window: list[float], learning_rate: float, grad_norm: float,
                  window_seconds: float, elapsed_s: float) -> dict:
-    """A training log record from the window since the last one: (summed loss, label tokens, tokens seen)."""
+    """A training log record from a window's totals since the last one: (summed loss, label tokens, tokens)."""
     loss_sum, label_tokens, seen = window
     return {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": loss_sum / label_tokens,
             "learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_s": seen / window_seconds,

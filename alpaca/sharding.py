@@ -3,7 +3,7 @@ each rank's shards straight from the checkpoint's safetensors files.
 
     model = empty_base_model(path, dtype, cache_dir)     # parameters on meta, buffers computed on the CPU
     reft_model = build_reft_model(model, ...)             # pyvene finds its hooks by the model's class
-    shard_base_model(model, device)                       # alpaca.distributed: fully_shard, still on meta
+    shard_base_model(model, device)                       # alpaca.strategy: fully_shard, still on meta
     load_shards(model, path, device, cache_dir)           # allocate the local shards, read only their slices
 
 Under DDP the weights stay file-backed (a memory map, shared by the ranks through the page cache); a

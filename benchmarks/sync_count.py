@@ -24,18 +24,18 @@ import alpaca.optim  # noqa: E402
 if not torch.cuda.is_available():
     sys.exit("sync_count.py: the host syncs it counts are CUDA's; run it on a GPU")
 FIRST_COUNTED_STEP = 3
-clip_gradients = alpaca.optim.clip_gradients
+clip_and_step = alpaca.optim.clip_and_step
 steps = 0
 sites = collections.Counter()
 
 
-def clip_gradients_counting_steps(*args, **kwargs):
+def clip_and_step_counting_steps(*args, **kwargs):
     """Called once per optimizer step, before the optimizer's update: the step counter."""
     global steps
     steps += 1
     if steps == FIRST_COUNTED_STEP:
         torch.cuda.set_sync_debug_mode("warn")
-    return clip_gradients(*args, **kwargs)
+    return clip_and_step(*args, **kwargs)
 
 
 def record(message, category, filename, lineno, file=None, line=None):
@@ -46,7 +46,7 @@ def record(message, category, filename, lineno, file=None, line=None):
     sites[" < ".join(f"{Path(frame.filename).name}:{frame.lineno} {frame.name}" for frame in frames[::-1][:3])] += 1
 
 
-alpaca.optim.clip_gradients = clip_gradients_counting_steps  # the scripts import it when they start training
+alpaca.optim.clip_and_step = clip_and_step_counting_steps  # the scripts (and alpaca.strategy) import it when they start
 show_warning, warnings.showwarning = warnings.showwarning, record
 warnings.filterwarnings("always", message=".*synchroniz.*")
 

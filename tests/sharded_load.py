@@ -18,9 +18,10 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from alpaca.distributed import process_group, shard_base_model  # noqa: E402
+from alpaca.distributed import process_group  # noqa: E402
 from alpaca.model import build_reft_model  # noqa: E402
 from alpaca.sharding import empty_base_model, load_shards  # noqa: E402
+from alpaca.strategy import shard_base_model  # noqa: E402
 
 cpu = torch.device("cpu")
 with process_group("gloo", 300, cpu):

@@ -1,4 +1,5 @@
-"""What a researcher changes in a copy: other field names, another prompt. Edits never meet stale caches."""
+"""What a researcher changes in a copy: other field names, another prompt, a loss term. Edits never meet stale
+caches."""
 
 import importlib.util
 import json
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SAMPLE_DATA, run_script
+from conftest import REPO, SAMPLE_DATA, assert_same_run, free_port, run_script
 
 from alpaca.args import parse_args
 from alpaca.data import load_records
@@ -97,12 +98,19 @@ def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, 
     applied = subprocess.run(["git", "apply", "-C1", "-"], input=diff, cwd=copy, capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
     data, _ = question_answer_data
+    outputs = []
     for command in commands:
         words = shlex.split(command)
-        assert words[0] == "python", command
+        assert words[0] in ("python", "torchrun"), command
         extra = ["--max_new_tokens", "4", "--instruction", "Name three primary colors."] if "generate.py" in command \
-            else ["--model_name_or_path", str(tiny_model), "--layers", "1;2", "--max_steps", "2",
-                  "--num_sample_answers", "0", "--field_map", "question=instruction,answer=output",
+            else ["--model_name_or_path", str(tiny_model), "--layers", "1;2", "--max_steps", "2", "--logging_steps",
+                  "1", "--num_sample_answers", "0", "--field_map", "question=instruction,answer=output",
                   "--data_path", str(data)]
-        result = run_script([*words[1:], *extra], cwd=copy)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] \
+            if words[0] == "torchrun" else None
+        result = run_script([*words[1:], *extra], cwd=copy, launcher=launcher)
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+        if "--output_dir" in words and "generate.py" not in command:
+            outputs.append(copy / words[words.index("--output_dir") + 1])
+    if any(command.startswith("torchrun") for command in commands):  # the adaptation trains one model on 1 and N
+        assert_same_run(outputs[1], outputs[0])

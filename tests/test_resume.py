@@ -84,16 +84,16 @@ def test_sigint_checkpoints_and_exits_130(tiny_model, tiny_data, tmp_path, monke
     """Ctrl-C: in this process (the exit status the script asks for; the SIGTERM test above sees a real one)."""
     import alpaca.optim
 
-    clip_gradients = alpaca.optim.clip_gradients
+    clip_and_step = alpaca.optim.clip_and_step
     steps = []
 
     def interrupted_in_step_3(*args, **kwargs):
         steps.append(1)
         if len(steps) == 3:
             os.kill(os.getpid(), signal.SIGINT)
-        return clip_gradients(*args, **kwargs)
+        return clip_and_step(*args, **kwargs)
 
-    monkeypatch.setattr(alpaca.optim, "clip_gradients", interrupted_in_step_3)
+    monkeypatch.setattr(alpaca.optim, "clip_and_step", interrupted_in_step_3)
     status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *SINGLE,
                                                          "--save_strategy", "no"))
     assert status == 128 + signal.SIGINT, stderr[-3000:]

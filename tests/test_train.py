@@ -128,13 +128,38 @@ def test_pyreft_example_command_line_runs(pyreft_example_run):
     assert sorted(p.name for p in output_dir.glob("intkey_*.bin")) and (output_dir / "config.json").exists()
 
 
-def test_help_and_argument_errors_need_no_heavy_imports():
-    code = ("import sys; from alpaca.args import parse_args; parse_args('train.py', ['--layers', '8;19']); "
-            "print(sorted(m for m in ('torch', 'transformers', 'pyreft', 'pyvene', 'datasets') if m in sys.modules))")
+def test_help_and_usage_errors_of_both_scripts_need_no_heavy_imports(tmp_path):
+    """--help, a parse error and a bad --deepspeed config (unreadable, invalid JSON, a refused value) answer
+    before torch, transformers, datasets, pyvene or pyreft are imported."""
+    bad_json, refused = tmp_path / "bad.json", tmp_path / "refused.json"
+    bad_json.write_text("{")
+    refused.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"params": {"lr": 1e-3}}}))
+    cases = [["--help"], ["--layers", "8;x"], ["--learning_rate", "x"], ["--deepspeed", str(tmp_path / "none.json")],
+             ["--deepspeed", str(bad_json)], ["--deepspeed", str(refused)]]
+    code = f"""
+import contextlib, io, json, sys
+import train, train_multigpu
+answers = []
+for script in (train, train_multigpu):
+    for argv in {cases!r}:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                script.main(argv)
+            except SystemExit as exit:
+                answers.append([exit.code, out.getvalue()[:40], err.getvalue()])
+heavy = sorted(m for m in ("torch", "transformers", "datasets", "pyvene", "pyreft") if m in sys.modules)
+print(json.dumps([heavy, answers]))
+"""
     result = run_script(["-c", code])
-    assert result.stdout.strip() == "[]", result.stdout + result.stderr
-    result = run_script(["train.py", "--help"])
-    assert result.returncode == 0 and "--model_name_or_path" in result.stdout
+    heavy, answers = json.loads(result.stdout.splitlines()[-1])
+    assert heavy == [], result.stderr[-3000:]
+    assert [code for code, *_ in answers] == [0, 2, 2, 2, 2, 2] * 2
+    assert all(out.startswith("usage:") for _, out, _ in answers[::6])
+    multigpu_errors = [err for *_, err in answers[9:]]
+    assert "cannot read it" in multigpu_errors[0] and "invalid JSON" in multigpu_errors[1]
+    assert "the optimizer comes from" in multigpu_errors[2]
+    assert all(err.count("\n") == 1 for *_, err in answers[1:6] + answers[7:]), answers  # one line each
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -1,0 +1,266 @@
+"""How train_multigpu.py places and steps the model on N processes, chosen once: DDP (the default), FSDP
+(`--fsdp`: the frozen base sharded) or DeepSpeed ZeRO (`--deepspeed`, in alpaca.deepspeed). The loop calls
+the same methods whatever runs:
+
+    model, tokenizer = strategy.load_base(model_path, dtype, cache_dir)
+    train_model = strategy.wrap(reft_model, optimizer, scheduler, saved_optimizer_state)
+    for micro_step, batch in ...:                       # plus strategy.placeholders(missing) zero-weight ones
+        with strategy.micro_step(last=...):             # DDP: no_sync() but on the last micro-batch
+            strategy.backward(loss)
+    grad_norm = strategy.step()                         # reduce, clip, step the optimizer and the schedule
+    with strategy.gathered(): ...                       # ZeRO-3: the interventions whole on every rank
+    strategy.optimizer_state()                          # torch's AdamW format, however it is partitioned
+
+Only the interventions train (a few thousand parameters, replicated on every rank but under ZeRO-3); the
+base is frozen: no strategy reduces or steps it. docs/multi-gpu.md has the table of what each one does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from alpaca import deepspeed as zero
+from alpaca.errors import UsageError
+from alpaca.model import decoder_layers, intervention_parameters, load_base_model
+from alpaca.optim import clip_and_step
+from alpaca.sharding import load_shards, return_freed_buffers_to_the_os
+from alpaca.workarounds import index_tensors_on
+
+
+class Strategy:
+    """What every strategy shares: the base loaded whole on this rank's device, torch's backward and AdamW."""
+
+    layout = "replicated"  # the start line: how the base is held
+    shards_base = False  # a sharded base answers only when every rank runs each forward (eval, sample answers)
+
+    def __init__(self, device: torch.device, max_grad_norm: float) -> None:
+        self.device, self.max_grad_norm = device, max_grad_norm
+
+    def load_base(self, model_path: str, dtype: torch.dtype, cache_dir: str | None):
+        return load_base_model(model_path, dtype, self.device, cache_dir)
+
+    def wrap(self, reft_model, optimizer: torch.optim.Optimizer, scheduler, optimizer_state: dict | None):
+        """Place the ReFT model for training; returns the module the loss runs through. `optimizer_state` is a
+        checkpoint's (torch's AdamW format), loaded once the parameters are where they train."""
+        self.reft_model, self.optimizer, self.scheduler = reft_model, optimizer, scheduler
+        self.parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+        return reft_model
+
+    def placeholders(self, missing: int) -> int:
+        """Zero-weight micro-batches a rank runs when its share of a (partial) global batch is `missing`
+        micro-batches short: one for every missing one, since every forward or backward communicates."""
+        return missing
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> torch.Tensor:
+        """Clip and step once the step's micro-batches are done; returns the gradient norm before clipping."""
+        return clip_and_step(self.parameters, self.optimizer, self.scheduler, self.max_grad_norm)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The interventions whole on every rank for the block, so that one rank alone can read them."""
+        yield
+
+    def optimizer_state(self) -> dict:
+        """The optimizer state as torch's AdamW writes it, for a checkpoint. A collective for some strategies:
+        every rank calls it."""
+        return self.optimizer.state_dict()
+
+
+class DDP(Strategy):
+    """Every rank holds the whole base; DistributedDataParallel broadcasts the interventions at construction
+    and all-reduces (averages) their gradients in the backward of the step's last micro-batch."""
+
+    layout = "replicated (DDP)"
+
+    def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().wrap(reft_model, optimizer, scheduler, optimizer_state)
+        # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's fixed
+        # base) never change: no re-broadcast before each forward.
+        self.model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
+                                             device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        synchronized = {id(p) for module in reft_model.modules() for p in module.parameters(recurse=False)}
+        if any(id(p) not in synchronized for p in self.parameters):
+            raise RuntimeError("trainable parameters are outside the DDP module; they would diverge")
+        check_replicated(self.parameters, self.device)
+        return self.model
+
+    def placeholders(self, missing: int) -> int:
+        """One, last: the gradient all-reduce needs every rank once per step; earlier micro-steps are local."""
+        return min(missing, 1)
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        # DDP all-reduces gradients once per optimizer step, on the last micro-batch.
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+
+class FSDP(Strategy):
+    """FSDP2 over the frozen base: built on the meta device, sharded, then each rank reads only its shards from
+    the safetensors files (alpaca.sharding). The interventions stay replicated; their gradients are averaged
+    by one all-reduce a step (`average_gradients`). `offload`: the shards stay in CPU memory (CUDA only)."""
+
+    layout = "sharded (FSDP)"
+    shards_base = True
+
+    def __init__(self, device: torch.device, max_grad_norm: float, offload: bool) -> None:
+        if offload and device.type != "cuda":
+            raise UsageError("--fsdp offload keeps the shards in CPU memory for GPUs; on CPUs drop 'offload'")
+        super().__init__(device, max_grad_norm)
+        self.offload = offload
+
+    def load_base(self, model_path, dtype, cache_dir):
+        self.model_path, self.cache_dir = model_path, cache_dir
+        return load_base_model(model_path, dtype, torch.device("meta"), cache_dir)
+
+    def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
+        shard_base_model(reft_model.model, self.device, self.offload)
+        load_shards(reft_model.model, self.model_path, torch.device("cpu") if self.offload else self.device,
+                    self.cache_dir)
+        reft_model.interventions.to(self.device)
+        index_tensors_on(reft_model, self.device)
+        # What DDP does at construction: every rank starts from rank 0's interventions.
+        broadcast_from_rank_zero([*reft_model.interventions.parameters(), *reft_model.interventions.buffers()])
+        super().wrap(reft_model, optimizer, scheduler, optimizer_state)
+        check_replicated(self.parameters, self.device)
+        return reft_model
+
+    def step(self) -> torch.Tensor:
+        average_gradients(self.parameters)
+        return super().step()
+
+
+class ZeRO(Strategy):
+    """DeepSpeed ZeRO with our optimizer and schedule (alpaca.deepspeed): stage 1 partitions the optimizer
+    state, 2 the gradients too, 3 the parameters too (the frozen base's included). The engine reduces, clips
+    and steps, inside the backward of the step's last micro-batch."""
+
+    def __init__(self, config: dict, path: str, device: torch.device, max_grad_norm: float,
+                 dtype: torch.dtype) -> None:
+        zero.check_for_device(config, path, device, dtype)
+        super().__init__(device, max_grad_norm)
+        self.config = config
+        self.shards_base = zero.stage(config) == 3
+        self.layout = f"{'sharded' if self.shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(config)})"
+
+    def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
+        self.reft_model, self.optimizer = reft_model, optimizer
+        self.parameter_groups = [list(group["params"]) for group in optimizer.param_groups]  # DeepSpeed swaps them
+        self.engine = zero.initialize(reft_model, optimizer, scheduler, self.config)
+        if optimizer_state is not None:  # into the partitions, which exist once the engine does
+            zero.load_optimizer_state(self.engine, optimizer, self.parameter_groups, optimizer_state)
+        with self.gathered():  # ZeRO-3 partitions them: compare them whole
+            check_replicated([p for group in self.parameter_groups for p in group], self.device)
+        return self.engine
+
+    def backward(self, loss: torch.Tensor) -> None:
+        zero.micro_step(self.engine, loss)
+
+    def step(self) -> torch.Tensor:
+        return self.engine.get_global_grad_norm()  # it clipped and stepped in the last micro-batch's backward
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        return zero.gathered(self.reft_model.interventions, self.config)
+
+    def optimizer_state(self) -> dict:
+        return zero.optimizer_state(self.engine, self.optimizer, self.parameter_groups)
+
+
+def shard_base_model(model, device: torch.device, offload: bool = False) -> None:
+    """FSDP2 over the frozen base: each decoder layer is a unit, all-gathered just before it runs and freed
+    after; so are untied input embeddings and LM head, the largest units of a small model. The root unit
+    holds the rest (final norm; tied embeddings, one parameter, gathered for the whole forward and
+    backward). Build the ReFT model first: pyvene finds its hook points by the model's class, which
+    `fully_shard` replaces."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options = {}
+    if device.type == "cpu":
+        return_freed_buffers_to_the_os()
+    if device.type == "cuda":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
+        if offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+    units = decoder_layers(model)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is not embeddings.weight:
+        units = [embeddings, *units, head]
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+
+
+def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:
+    """NCCL sends contiguous tensors only (the orthogonal parametrization's are not)."""
+    for tensor in tensors:
+        sent = tensor.data.contiguous()
+        dist.broadcast(sent, src=0)
+        if sent is not tensor.data:
+            tensor.data.copy_(sent)
+
+
+def average_gradients(parameters: list[torch.Tensor]) -> None:
+    """DDP's gradient averaging, in one flat all-reduce, for replicated parameters outside DDP."""
+    grads = [p.grad for p in parameters]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's option not to re-broadcast buffers before every forward: `forward_sync_buffers` since torch
+    2.13, `broadcast_buffers` (deprecated there) before."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+
+
+def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> None:
+    """All ranks hold identical interventions before the first step (a collective)."""
+    checksum = torch.stack([p.detach().double().sum() for p in parameters]).to(device)
+    lowest, highest = checksum.clone(), checksum.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    if not torch.equal(lowest, highest):
+        raise RuntimeError("the interventions differ across ranks after the broadcast")
+
+
+def local_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
+    partitions), the rest whole."""
+    from torch.distributed.tensor import DTensor
+
+    def held(parameter: torch.Tensor) -> int:
+        if isinstance(parameter, DTensor):
+            return parameter.to_local().nbytes
+        # ZeRO-3: the partition, plus the whole tensor while it is gathered (between forwards, only small
+        # parameters below stage3_param_persistence_threshold stay whole)
+        return parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
+
+    return sum(held(parameter) for parameter in module.parameters())
+
+
+def choose_strategy(args, device: torch.device, dtype: torch.dtype) -> Strategy:
+    """--deepspeed, --fsdp or DDP, from the flags; refused combinations were refused while parsing."""
+    if args.deepspeed:
+        return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype)
+    if args.fsdp:
+        return FSDP(device, args.max_grad_norm, offload="offload" in args.fsdp.split())
+    return DDP(device, args.max_grad_norm)
