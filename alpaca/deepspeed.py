@@ -85,7 +85,7 @@ def initialize(reft_model, optimizer, scheduler, config: dict):
         return_freed_buffers_to_the_os()  # as under --fsdp: each forward gathers and frees whole modules
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":
-            zero[key] = rule(reft_model.model.config.hidden_size)
+            zero[key] = rule(reft_model.model.config.get_text_config(decoder=True).hidden_size)
 
     # DeepSpeed's ZeRO-2 calls collectives under their deprecated names at every step
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed",

@@ -13,7 +13,7 @@ import torch
 from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, cache_root, parse_layers
 from alpaca.errors import UsageError
 from alpaca.sharding import empty_base_model
-from alpaca.workarounds import import_pyreft, keep_foreign_hooks, scatter_on_device, set_train_mode
+from alpaca.workarounds import import_pyreft, keep_foreign_hooks, register_layout, scatter_on_device, set_train_mode
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -69,9 +69,10 @@ def resolve_model_path(model_name_or_path: str, cache_dir: str | None = None) ->
 
 
 def check_model(args) -> str:
-    """Resolve the model and check --layers and --rank against its config, before any weight is loaded.
-    Returns the path (or hub name) to load."""
-    from transformers import AutoConfig
+    """Resolve the model and check it before any weight is loaded: --layers and --rank against its config, its
+    decoder layer list (built on the meta device: no memory), its tokenizer against its embedding matrix, and
+    the chat template. Returns the path (or hub name) to load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     name = args.model_name_or_path
     local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.isabs(name)
@@ -80,28 +81,25 @@ def check_model(args) -> str:
     path = resolve_model_path(name, args.cache_dir)
     try:
         config = AutoConfig.from_pretrained(path, cache_dir=args.cache_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        tokenizer = AutoTokenizer.from_pretrained(path, cache_dir=args.cache_dir)
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0]
         raise UsageError(f"cannot load --model_name_or_path {name!r}: {reason}") from None
-    parse_layers(args.layers, config.num_hidden_layers)
-    if args.rank >= config.hidden_size:
-        raise UsageError(f"--rank {args.rank} must be smaller than the model's hidden size {config.hidden_size}")
-    if args.prompt_template == "chat":
-        check_chat_template(path, name, args.cache_dir)
-    return path
-
-
-def check_chat_template(path: str, name: str, cache_dir: str | None = None) -> None:
-    """--prompt_template chat needs a tokenizer that has one (base models often do not)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, cache_dir=cache_dir)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"cannot load the tokenizer of {name!r}: {str(error).strip().splitlines()[0]}") from None
-    if tokenizer.chat_template is None:
+    text_config = config.get_text_config(decoder=True)
+    parse_layers(args.layers, text_config.num_hidden_layers)
+    if args.rank >= text_config.hidden_size:
+        raise UsageError(f"--rank {args.rank} must be smaller than the model's hidden size {text_config.hidden_size}")
+    decoder_layer_list(model)
+    embedding_rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embedding_rows:
+        raise UsageError(f"the tokenizer of {name!r} has {len(tokenizer)} tokens, its model's embedding matrix "
+                         f"{embedding_rows} rows: they do not belong together; pass a model directory that holds both")
+    if args.prompt_template == "chat" and tokenizer.chat_template is None:
         raise UsageError(f"--prompt_template chat: the tokenizer of {name!r} has no chat template; use "
                          "--prompt_template alpaca or a chat model")
+    return path
 
 
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None):
@@ -130,8 +128,9 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     Seed torch before calling: the interventions' initial weights come from the global RNG.
     """
     pyreft = import_pyreft()
-    layer_ids = parse_layers(layers, model.config.num_hidden_layers)
-    hidden_size = model.config.hidden_size
+    text_config = model.config.get_text_config(decoder=True)
+    layer_ids = parse_layers(layers, text_config.num_hidden_layers)
+    hidden_size = text_config.hidden_size
     if rank >= hidden_size:
         raise UsageError(f"--rank {rank} must be smaller than the model's hidden size {hidden_size}")
     first_n, last_n = position
@@ -147,6 +146,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
         }
         for layer in layer_ids
     ]
+    register_layout(model)
     # pyreft moves the interventions to the base's device: not to the meta device of a base that
     # alpaca.sharding fills later (they would lose their initial weights); they stay on the CPU.
     reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations),
@@ -185,14 +185,24 @@ def num_intervened_layers(reft_model, position: tuple[int, int], share_weights: 
     return len(reft_model.interventions) // (2 if first_n and last_n and not share_weights else 1)
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The repeated blocks, found the way HF's own device-map/FSDP wrapping finds them: `_no_split_modules`."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [module for module in model.modules() if type(module).__name__ in names]
-    if not layers:
-        raise UsageError(f"{type(model).__name__} does not name its decoder layers (_no_split_modules); "
-                         "--fsdp and --gradient_checkpointing need them")
-    return layers
+def decoder_layer_list(model) -> str:
+    """The dotted name of the model's list of decoder layers, found as transformers finds a model's parts: the
+    `ModuleList` in its decoder (`get_decoder()`: the language model of a multimodal one) whose blocks are its
+    `_no_split_modules` (the blocks HF's device map keeps whole and its FSDP wrapping wraps)."""
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    lists = [name for name, module in decoder.named_modules() if isinstance(module, torch.nn.ModuleList) and len(module)
+             and all(type(layer).__name__ in blocks for layer in module)]
+    if len(lists) != 1:
+        raise UsageError(f"{type(model).__name__} has no list of decoder layers (a ModuleList of its "
+                         "_no_split_modules blocks), where the interventions act; pass a decoder-only causal LM")
+    return ".".join(name for name in (prefix, lists[0]) if name)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The repeated blocks: --fsdp's units and --gradient_checkpointing's recomputed regions."""
+    return model.get_submodule(decoder_layer_list(model))
 
 
 def enable_gradient_checkpointing(model) -> None:

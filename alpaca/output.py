@@ -18,7 +18,7 @@ import torch
 from alpaca.args import INTERVENTIONS
 from alpaca.errors import UsageError
 from alpaca.model import import_intervention, new_intervention
-from alpaca.workarounds import import_pyreft, keep_foreign_hooks, set_train_mode
+from alpaca.workarounds import import_pyreft, keep_foreign_hooks, register_layout, set_train_mode
 
 ARGS_FILE = "training_args.json"
 METRICS_FILE = "metrics.jsonl"
@@ -84,6 +84,7 @@ def load_reft_model(directory: str | os.PathLike, base_model):
                                           add_bias="proj_layer.bias" in states.get(f"intkey_{key}.bin", {}))}
         for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
     ]
+    register_layout(base_model)
     reft_model = pyreft.get_reft_model(base_model, pyreft.ReftConfig(representations=representations))
     keep_foreign_hooks(reft_model)
     for key, intervention in reft_model.interventions.items():

@@ -74,3 +74,27 @@ def set_train_mode(reft_model, training: bool) -> None:
     dropout) in whatever mode they were built: the frozen base stays in eval, interventions follow."""
     reft_model.model.eval()
     reft_model.interventions.train(training)
+
+
+def register_layout(model) -> None:
+    """pyvene finds the module of a component ('block_output') in `pyvene.type_to_module_mapping[type(model)]`,
+    a table of nine decoder-only families (GPT-2, GPT-Neo, GPT-NeoX, Gemma, Gemma 2, Llama, Mistral, OLMo,
+    Qwen2); for any other class it hooks an empty attribute name (`AttributeError: 'Qwen3ForCausalLM' object has
+    no attribute ''`), and `ReftModel.load` finds no intervention width in `type_to_dimension_mapping`
+    (KeyError). Register the model's class in both, from the model: its decoder layer list and the hidden size
+    of its (text) config. A class pyvene maps keeps pyvene's own layout."""
+    import pyvene
+    from pyvene.models.constants import CONST_OUTPUT_HOOK
+
+    from alpaca.model import decoder_layer_list
+
+    model_class = type(model)
+    if model_class in pyvene.type_to_module_mapping:
+        return
+    layers = decoder_layer_list(model)
+    text_config = model.config.get_text_config(decoder=True)
+    # a config attribute path, as pyvene's own tables give it: the class has models of many widths
+    text_config_name = next((name for name, value in vars(model.config).items() if value is text_config), None)
+    pyvene.type_to_module_mapping[model_class] = {"block_output": (f"{layers}[%s]", CONST_OUTPUT_HOOK)}
+    pyvene.type_to_dimension_mapping[model_class] = {
+        "block_output": (".".join(name for name in (text_config_name, "hidden_size") if name),)}

@@ -27,11 +27,14 @@ SAMPLE_DATA = REPO / "examples" / "data" / "alpaca_sample.json"
 
 
 def build_tiny_model(directory: Path, pad_token: bool = False, unk_token: bool = True,
-                     tie_word_embeddings: bool = False) -> Path:
-    """A 4-layer Llama (hidden 64) and a BPE tokenizer trained on the shipped sample data; with
-    `tie_word_embeddings` its LM head is its embedding matrix, as in SmolLM2 and Llama-3.2."""
+                     tie_word_embeddings: bool = False, family: str = "Llama", **config) -> Path:
+    """A 4-layer decoder (hidden 64) of a transformers `family` (its config class's name less 'Config': 'Llama',
+    'Qwen3', 'Gemma3Text', ...) and a BPE tokenizer trained on the shipped sample data; with
+    `tie_word_embeddings` its LM head is its embedding matrix, as in SmolLM2 and Llama-3.2. `config` overrides
+    the config's fields."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     special = ["<s>", "</s>"] + (["<unk>"] if unk_token else []) + (["<pad>"] if pad_token else [])
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>" if unk_token else None))
@@ -45,14 +48,15 @@ def build_tiny_model(directory: Path, pad_token: bool = False, unk_token: bool =
                                    unk_token="<unk>" if unk_token else None,
                                    pad_token="<pad>" if pad_token else None)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                         tie_word_embeddings=tie_word_embeddings,
-                         # Large random weights give peaked attention, so interventions on a few prompt
-                         # positions move the output loss visibly (at 0.02 everything is near uniform).
-                         initializer_range=0.3)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    fields = dict(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+                  tie_word_embeddings=tie_word_embeddings,
+                  # Large random weights give peaked attention, so interventions on a few prompt positions
+                  # move the output loss visibly (at 0.02 everything is near uniform).
+                  initializer_range=0.3)
+    AutoModelForCausalLM.from_config(getattr(transformers, f"{family}Config")(**{**fields, **config})).save_pretrained(
+        directory)
     fast.save_pretrained(directory)
     return directory
 
