@@ -1,7 +1,8 @@
 """Every place these scripts work around pyvene 0.1.8 or pyreft 0.1.0 (the pinned versions), in one module.
 
 An upgrade of either re-checks each function below against the upstream behaviour its docstring names;
-tests/test_interventions.py and tests/test_fsdp.py fail where one is no longer needed or no longer enough.
+tests/test_interventions.py, tests/test_fsdp.py and tests/test_families.py fail where one is no longer needed or
+no longer enough.
 Also worked around elsewhere, for a reason local to that code: `alpaca.output.load_reft_model` (pyreft's
 `ReftModel.load`: NoReFT's bias, bf16 learned sources, arbitrary imports) and `alpaca.deepspeed.ReftModule`
 (pyvene's `named_parameters` lists the interventions only).
