@@ -87,7 +87,7 @@ def register_layout(model) -> None:
     import pyvene
     from pyvene.models.constants import CONST_OUTPUT_HOOK
 
-    from alpaca.model import decoder_layer_list
+    from alpaca.model import decoder_layer_list  # here: alpaca.model imports this module
 
     model_class = type(model)
     if model_class in pyvene.type_to_module_mapping:
