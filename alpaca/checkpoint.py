@@ -5,9 +5,10 @@ or evaluate it like a final output) and as their full torch state (pyreft's form
 matrix, not the parametrization's raw parameter the optimizer state refers to). Next to them, the trainer
 state: tensors (optimizer, scheduler, every rank's RNG) in `trainer_state.pt`, which loads with
 `torch.load(weights_only=True)` and so can never run code, and plain values (position in the batch plan,
-batch geometry, wandb run id) in `trainer_state.json`. It is written to a hidden staging directory, closed
-with a manifest of every file's size and SHA-256, and renamed into place: a checkpoint-<step> directory is
-complete, and a damaged one is detected before anything in it is used.
+batch geometry, wandb run id, and the fingerprint of the data, base model and flags it was trained on, which a
+resume must match) in `trainer_state.json`. It is written to a hidden staging directory, closed with a
+manifest of every file's size and SHA-256, and renamed into place: a checkpoint-<step> directory is complete,
+and a damaged one is detected before anything in it is used.
 """
 
 from __future__ import annotations

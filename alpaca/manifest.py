@@ -101,9 +101,9 @@ def cached_directory(path: Path, build: Callable[[Path], None], what: str) -> Pa
 def discard(path: Path) -> None:
     """Remove a directory: renamed aside first, so that the name is free at once and only one process (of
     several that found it damaged) removes it."""
-    aside = path.with_name(f".discarded-{path.name}-{os.getpid()}")
+    aside = tempfile.mkdtemp(prefix=f".discarded-{path.name}-", dir=path.parent)  # an empty directory: replaced
     try:
         os.rename(path, aside)
     except OSError:  # another process moved it first
-        return
+        pass
     shutil.rmtree(aside, ignore_errors=True)
