@@ -84,7 +84,7 @@ def run(args, device, started: float) -> None:
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
     # -- data and model --------------------------------------------------------------------------------
-    tokenizer, reft_model, dataset, eval_dataset, num_layers, collate = load_data_and_model(
+    tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint = load_data_and_model(
         args, dtype, position, device)
 
     # -- optimization: global batch = per_device x 1 process x accumulation --------------------------------
@@ -93,7 +93,8 @@ def run(args, device, started: float) -> None:
     step, start_epoch, start_batch, saved_window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
     if resume_from is not None:
         step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
-            load_checkpoint(resume_from), args, reft_model, optimizer, scheduler, 0, 1, len(dataset), device)
+            load_checkpoint(resume_from), args, reft_model, optimizer, scheduler, 0, 1, len(dataset), device,
+            fingerprint)
     parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
     print(start_line(describe(reft_model, len(dataset), device), plan, args, eval_dataset and len(eval_dataset),
                      resume_from, step, time.perf_counter() - started))
@@ -107,7 +108,8 @@ def run(args, device, started: float) -> None:
         return save_checkpoint(args.output_dir, step, reft_model, trainer_state(
             step=step, epoch=epoch, next_batch=next_batch, window=window.totals().tolist(),
             optimizer_state=optimizer.state_dict(), scheduler=scheduler, rng_states=[rng_state(device)], args=args,
-            world_size=1, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id), args.save_total_limit)
+            world_size=1, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint),
+            args.save_total_limit)
 
     # -- data: one item per optimizer step, its micro-batches collated (in workers, ahead of the step) -------
     loader = step_loader(dataset, collate, args, pin_memory=device.type == "cuda")
@@ -177,6 +179,7 @@ def load_data_and_model(args, dtype, position: tuple[int, int], device):
     """The data and the ReFT model; what can be checked is checked before the model's weights are loaded."""
     import torch
 
+    from alpaca.checkpoint import training_fingerprint
     from alpaca.data import Collator, load_splits, prepare_dataset
     from alpaca.model import (
         build_reft_model,
@@ -201,7 +204,8 @@ def load_data_and_model(args, dtype, position: tuple[int, int], device):
                                   args.intervention)
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
-    return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate
+    fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to
+    return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint
 
 
 if __name__ == "__main__":

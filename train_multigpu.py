@@ -109,7 +109,7 @@ def run(args, device, backend: str, started: float) -> None:
     resume_from = main_rank_result(lambda: prepare_output_dir(args), is_main, device)  # before anything loads
 
     # -- data and model --------------------------------------------------------------------------------
-    tokenizer, reft_model, dataset, eval_dataset, num_layers, collate = load_data_and_model(
+    tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint = load_data_and_model(
         args, strategy, dtype, position, device)
 
     # -- optimization: global batch = per_device x world_size x accumulation, train.py's with one process ----
@@ -119,7 +119,7 @@ def run(args, device, backend: str, started: float) -> None:
     if resume_from is not None:
         loaded = main_rank_result(lambda: load_checkpoint(resume_from), is_main, device)
         step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
-            loaded, args, reft_model, None, scheduler, rank, world_size, len(dataset), device)
+            loaded, args, reft_model, None, scheduler, rank, world_size, len(dataset), device, fingerprint)
         optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
     summary = describe(reft_model, len(dataset), device)  # before a strategy partitions the parameters
     train_model = strategy.wrap(reft_model, optimizer, scheduler, optimizer_state)
@@ -146,8 +146,8 @@ def run(args, device, backend: str, started: float) -> None:
             return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
                 step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(),
                 optimizer_state=optimizer_state, scheduler=scheduler, rng_states=rng_states, args=args,
-                world_size=world_size, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id),
-                args.save_total_limit), participate=is_main, device=device)
+                world_size=world_size, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id,
+                fingerprint=fingerprint), args.save_total_limit), participate=is_main, device=device)
 
     # -- data: each rank's share of each global batch, one item per optimizer step, collated in workers ------
     loader = step_loader(dataset, collate, args, device.type == "cuda", num_replicas=world_size, rank=rank)
@@ -267,6 +267,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     import torch
     import torch.distributed as dist
 
+    from alpaca.checkpoint import training_fingerprint
     from alpaca.data import Collator, load_splits, prepare_dataset
     from alpaca.distributed import first_on_local_main, run_checked
     from alpaca.model import build_reft_model, check_model, enable_gradient_checkpointing, num_intervened_layers
@@ -292,7 +293,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
-    return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate
+    fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to
+    return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint
 
 
 def gather_rank_report(tokens_per_s: float, base_bytes: int, device) -> str:

@@ -8,9 +8,13 @@ errors answer at once, before torch/transformers/pyreft are loaded.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from alpaca.deepspeed_config import load_config
@@ -107,14 +111,16 @@ def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]
 
 
 def is_main_process() -> bool:
-    """Rank 0, or not distributed. Every rank parses and validates; only rank 0 reports a mistake."""
+    """Rank 0, or not distributed. Every rank parses and validates; rank 0 reports a mistake."""
     return os.environ.get("RANK", "0") == "0"
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line instead of argparse's usage block: the flag and the problem, then where to look."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if is_main_process() else None)
+        if not is_main_process():
+            wait_for_launcher()
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
@@ -238,25 +244,53 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+def _is_interval(steps: float) -> bool:
+    return 0 < steps < 1 or steps >= 1 and steps == int(steps)
+
+
+# What each numeric flag means, checked before anything is loaded. HF's TrainingArguments checks the intervals
+# (as here: a whole number of steps, or below 1 a fraction of the run); torch checks the learning rate and betas
+# only once the optimizer is built, after the model has loaded; nothing checks the rest.
+NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "model_max_length": (lambda length: length >= 2, "at least 2"),
+    "max_n_train_example": (lambda count: count > 0, "a positive integer"),
+    "eval_split_ratio": (lambda ratio: 0 < ratio < 1, "in (0, 1), e.g. 0.05"),
+    "pad_to_multiple_of": (lambda multiple: multiple > 0, "a positive integer"),
+    "dataloader_num_workers": (lambda workers: workers >= 0, "0 or more"),
+    "rank": (lambda rank: rank > 0, "a positive integer"),
+    "dropout": (lambda p: 0 <= p < 1, "in [0, 1)"),
+    "num_train_epochs": (lambda epochs: epochs > 0, "positive (--max_steps, when given, overrides it)"),
+    "max_steps": (lambda steps: steps > 0 or steps == -1, "a positive integer, or -1 to train --num_train_epochs"),
+    "per_device_train_batch_size": (lambda size: size > 0, "a positive integer"),
+    "per_device_eval_batch_size": (lambda size: size > 0, "a positive integer"),
+    "gradient_accumulation_steps": (lambda steps: steps > 0, "a positive integer"),
+    "learning_rate": (lambda rate: rate > 0, "positive"),
+    "weight_decay": (lambda decay: decay >= 0, "0 or more"),
+    "adam_beta1": (lambda beta: 0 <= beta < 1, "in [0, 1)"),
+    "adam_beta2": (lambda beta: 0 <= beta < 1, "in [0, 1)"),
+    "adam_epsilon": (lambda epsilon: epsilon >= 0, "0 or more"),
+    "max_grad_norm": (lambda norm: norm >= 0, "0 or more (0 disables clipping)"),
+    "warmup_ratio": (lambda ratio: 0 <= ratio <= 1, "in [0, 1]"),
+    "warmup_steps": (lambda steps: steps >= 0, "0 or more"),
+    "seed": (lambda seed: 0 <= seed < 2**32, "in [0, 2**32)"),
+    "logging_steps": (_is_interval, "a whole number of steps, or below 1 a fraction of the run"),
+    "eval_steps": (_is_interval, "a whole number of steps, or below 1 a fraction of the run"),
+    "save_steps": (_is_interval, "a whole number of steps, or below 1 a fraction of the run"),
+    "save_total_limit": (lambda limit: limit >= 1, "at least 1 (leave it out to keep every checkpoint)"),
+    "num_sample_answers": (lambda count: count >= 0, "0 or more"),
+    "max_new_tokens": (lambda count: count > 0, "a positive integer"),
+    "ddp_timeout": (lambda seconds: seconds > 0, "a positive number of seconds"),
+}
+
+
 def validate(args: argparse.Namespace) -> None:
     """Checks that need no model: run before anything heavy is imported or loaded."""
     parse_position(args.position)
     parse_layers(args.layers)
-    for name in ("rank", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of <= 0:
-        raise UsageError(f"--pad_to_multiple_of must be a positive integer, got {args.pad_to_multiple_of}")
-    if args.dataloader_num_workers is not None and args.dataloader_num_workers < 0:
-        raise UsageError(f"--dataloader_num_workers must be 0 or more, got {args.dataloader_num_workers}")
-    if args.max_n_train_example is not None and args.max_n_train_example <= 0:
-        raise UsageError(f"--max_n_train_example must be positive, got {args.max_n_train_example}")
-    if args.model_max_length < 2:
-        raise UsageError(f"--model_max_length must be at least 2, got {args.model_max_length}")
-    if args.max_steps <= 0 and args.num_train_epochs <= 0:
-        raise UsageError("nothing to train: set --num_train_epochs > 0 or --max_steps > 0")
-    if not 0.0 <= args.dropout < 1.0:
-        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    for name, (meets, meaning) in NUMBER_FLAGS.items():
+        value = getattr(args, name, None)  # None: not given (or not a flag of this script)
+        if value is not None and not (math.isfinite(value) and meets(value)):
+            raise UsageError(f"--{name} must be {meaning}, got {value}")
     if args.share_weights and not all(parse_position(args.position)) and is_main_process():
         print(f"warning: --share_weights shares one intervention between the f and l windows of a layer; "
               f"--position {args.position} has one window, so it changes nothing", file=sys.stderr)
@@ -274,8 +308,6 @@ def validate(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if args.bf16 else "float16"
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
-    if args.save_strategy == "steps" and args.save_steps <= 0:
-        raise UsageError(f"--save_steps must be positive, got {args.save_steps}")
     check_data_path("--data_path", args.data_path)
     validate_eval(args)
 
@@ -293,8 +325,6 @@ def validate_eval(args: argparse.Namespace) -> None:
     """Evaluation data comes from a file or a held-out split; the strategy defaults to once per epoch."""
     if args.eval_data_path and args.eval_split_ratio is not None:
         raise UsageError("--eval_data_path and --eval_split_ratio are exclusive; pass one")
-    if args.eval_split_ratio is not None and not 0 < args.eval_split_ratio < 1:
-        raise UsageError(f"--eval_split_ratio must be in (0, 1), e.g. 0.05, got {args.eval_split_ratio}")
     if args.eval_data_path:
         check_data_path("--eval_data_path", args.eval_data_path)
     has_eval_data = bool(args.eval_data_path) or args.eval_split_ratio is not None
@@ -303,8 +333,6 @@ def validate_eval(args: argparse.Namespace) -> None:
     if args.eval_strategy != "no" and not has_eval_data:
         raise UsageError(f"--eval_strategy {args.eval_strategy} needs evaluation data; pass --eval_data_path FILE "
                          "or --eval_split_ratio 0.05")
-    if args.eval_steps is not None and args.eval_steps <= 0:
-        raise UsageError(f"--eval_steps must be positive, got {args.eval_steps}")
 
 
 def resolve_device_defaults(args: argparse.Namespace, device_type: str) -> None:
@@ -333,6 +361,20 @@ def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False)
 
 def exit_on_usage_error(prog: str, error: UsageError) -> None:
     """For mistakes found after parsing (e.g. a layer out of range once the model's depth is known)."""
-    if is_main_process():
-        print(f"{prog}: error: {error}", file=sys.stderr)
+    if not is_main_process():
+        wait_for_launcher()  # and if it did not stop this rank, rank 0 never met the mistake: report it here
+    print(f"{prog}: error: {error}", file=sys.stderr)
     raise SystemExit(error.exit_code)
+
+
+LAUNCHER_WAIT_S = 30
+
+
+def wait_for_launcher() -> None:
+    """On a rank other than 0, which has found a mistake that rank 0 usually finds too and reports: wait (up to
+    LAUNCHER_WAIT_S) for the launcher to stop this process once rank 0 has exited. Leaving first could get rank
+    0 stopped before it has printed. A stop signal ends the wait and the process, whatever handlers training
+    installed."""
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, signal.SIG_DFL)
+    time.sleep(LAUNCHER_WAIT_S)

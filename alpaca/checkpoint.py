@@ -5,16 +5,16 @@ or evaluate it like a final output) and as their full torch state (pyreft's form
 matrix, not the parametrization's raw parameter the optimizer state refers to). Next to them, the trainer
 state: tensors (optimizer, scheduler, every rank's RNG) in `trainer_state.pt`, which loads with
 `torch.load(weights_only=True)` and so can never run code, and plain values (position in the batch plan,
-batch geometry, wandb run id) in `trainer_state.json`. It is written to a hidden staging directory, closed
-with a manifest of every file's size and SHA-256, and renamed into place: a checkpoint-<step> directory is
-complete, and a damaged one is detected before anything in it is used.
+batch geometry, wandb run id, and the fingerprint of the data, base model and flags it was trained on, which a
+resume must match) in `trainer_state.json`. It is written to a hidden staging directory, closed with a
+manifest of every file's size and SHA-256, and renamed into place: a checkpoint-<step> directory is complete,
+and a damaged one is detected before anything in it is used.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -31,11 +31,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from alpaca.args import parse_layers, parse_position
+from alpaca.data import records_fingerprint
 from alpaca.errors import StorageError, UsageError
+from alpaca.manifest import MANIFEST, files_problem, read_manifest, write_manifest
+from alpaca.model import model_fingerprint
+from alpaca.optim import StepPlan
 from alpaca.output import ARGS_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
-MANIFEST = "manifest.json"
 FORMAT = 2  # 1: sizes only in the manifest, the trainer state a full pickle (never loaded: it could run code)
 INTERVENTIONS_STATE = "interventions.pt"
 TRAINER_STATE = "trainer_state.pt"  # the tensors: optimizer, scheduler, RNG states
@@ -140,9 +144,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, traine
                 contents[ARGS_FILE] = (output_dir / ARGS_FILE).read_bytes()
             for name, data in contents.items():
                 write_file(staging / name, data)
-            files = {path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)} for path in staging.iterdir()}
-            manifest = {"format": FORMAT, "step": step, "files": files}
-            write_file(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
+            write_manifest(staging, format=FORMAT, step=step)
             for path in staging.iterdir():  # on disk before the rename makes the checkpoint visible
                 with open(path, "rb") as file:
                     os.fsync(file.fileno())
@@ -196,32 +198,19 @@ def write_file(path: Path, data: bytes) -> None:
         file.write(data)
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def checkpoint_problem(path: Path) -> str | None:
-    """What is wrong with a checkpoint directory, or None if it is complete and intact."""
+    """What is wrong with a checkpoint directory, or None if it is complete and intact. A manifest of any shape
+    but this format's counts as damage, as a file that does not match its SHA-256 does."""
     if not path.is_dir():
         return "missing (no such directory)"
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "incomplete (its writing was interrupted)"
-    if manifest.get("format") != FORMAT:
+    manifest = read_manifest(path)
+    if isinstance(manifest, str):
+        return manifest
+    if manifest.get("format", 1) == 1:  # format 1 had no "format" field
         return OLD_FORMAT
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size != expected["bytes"]:
-            return f"incomplete ({name} is missing or cut short)"
-        if sha256(file) != expected["sha256"]:
-            return f"damaged ({name} does not match its SHA-256 in {MANIFEST})"
-    return None
+    if manifest["format"] != FORMAT:
+        return f"damaged ({MANIFEST} gives format {manifest['format']!r}, this version writes {FORMAT})"
+    return files_problem(path, manifest, required=(INTERVENTIONS_STATE, TRAINER_STATE, TRAINER_STATE_JSON))
 
 
 def is_complete(path: Path) -> bool:
@@ -277,13 +266,23 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, optimizer,
-                           scheduler, rank: int, world_size: int, num_examples: int, device: torch.device):
+                           scheduler, rank: int, world_size: int, num_examples: int, device: torch.device,
+                           fingerprint: dict):
     """Load a checkpoint into the training objects; returns where training goes on:
     (step, epoch, next batch, logging window, wandb run id). `optimizer` None: the caller loads the
-    optimizer state later (DeepSpeed's partitions exist only once its engine does)."""
+    optimizer state later (DeepSpeed's partitions exist only once its engine does). `fingerprint`: this run's
+    (training_fingerprint), which must be the checkpoint's."""
     states, saved = checkpoint
     check_resumable(saved, args, world_size, num_examples)
-    load_intervention_states(reft_model, states)
+    load_intervention_states(reft_model, states)  # the same layers, positions' layout, rank and initialization
+    check_fingerprint(saved.get("fingerprint"), fingerprint, args, rank)
+    if saved["num_examples"] != num_examples:  # what a checkpoint without a fingerprint can still tell
+        raise other_data_or_seed(saved, args, num_examples)
+    total_steps = StepPlan.from_args(args, num_examples, world_size).total_steps
+    if saved["step"] >= total_steps:
+        raise UsageError(f"the checkpoint is at step {saved['step']} and this run ends at step {total_steps}: "
+                         "nothing to train; raise --max_steps or --num_train_epochs (the checkpoint loads as an "
+                         "output as it is)")
     if optimizer is not None:
         optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
@@ -294,6 +293,50 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     loss_sum, label_tokens, _ = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]
     window = [loss_sum, label_tokens, 0.0]
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
+
+
+# The flags a checkpoint is bound to, besides those checked on their own (the global batch, --seed,
+# --prompt_template): each changes what a step computes. A resumed run that changed one would not be the run the
+# checkpoint belongs to; some would even be ignored without a word (the optimizer's and scheduler's states
+# restore the learning rate, weight decay and betas). The run's length (--max_steps, --num_train_epochs) may change.
+BOUND_FLAGS = ("model_max_length", "layers", "position", "share_weights", "intervention", "rank", "dropout",
+               "group_by_length", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype")
+
+
+def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
+    """What a checkpoint is bound to: the training data as trained on (content), the base model (config,
+    tokenizer, weights: alpaca.model.model_fingerprint) and BOUND_FLAGS, normalized (--layers all is the list of
+    layers, --dtype auto the dtype it resolved to)."""
+    first_n, last_n = parse_position(args.position)
+    flags = {name: getattr(args, name) for name in BOUND_FLAGS}
+    flags.update(layers=";".join(map(str, parse_layers(args.layers, model.config.num_hidden_layers))),
+                 position="+".join(f"{side}{n}" for side, n in (("f", first_n), ("l", last_n)) if n),
+                 dtype=str(model.dtype).removeprefix("torch."))
+    return {"data": records_fingerprint(records), "model": model_fingerprint(model.name_or_path, args.cache_dir),
+            "flags": flags}
+
+
+def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace, rank: int) -> None:
+    """Refuse, in one line naming every difference, a resume on other data, another base model or other flags."""
+    if saved is None:
+        if rank == 0:
+            print("warning: the checkpoint was written before checkpoints recorded their data, base model and "
+                  "flags, so they cannot be checked: this resume trusts that they are the original run's",
+                  file=sys.stderr)
+        return
+    changes = []
+    if saved["data"] != current["data"]:
+        changes.append(f"the training data (the records of --data_path {args.data_path!r} as trained on, after "
+                       "--field_map, --max_n_train_example and any held-out split)")
+    changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
+                for part in ("config", "tokenizer", "weights") if saved["model"][part] != current["model"][part]]
+    changes += [f"--{name} ({saved['flags'][name]} in the checkpoint, {value} in this run)"
+                for name, value in current["flags"].items() if saved["flags"].get(name, value) != value]
+    if changes:
+        raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
+                         "model and flags the checkpoint was trained with (its training_args.json), or train "
+                         "anew in another --output_dir")
 
 
 def geometry(args: argparse.Namespace, world_size: int) -> dict:
@@ -308,19 +351,23 @@ def describe_geometry(g: dict) -> str:
 
 
 def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int) -> None:
-    """The batch plan must be the same one: same global batch, seed and data; the world size may change."""
+    """The batch plan must be the same one: same global batch, seed and prompts; the world size may change."""
     saved, current = trainer_state["geometry"], geometry(args, world_size)
     if saved["global_batch_size"] != current["global_batch_size"]:
         raise UsageError(f"the checkpoint was written with {describe_geometry(saved)}, this run has "
                          f"{describe_geometry(current)}; resume with the same global batch")
-    if (trainer_state["seed"], trainer_state["num_examples"]) != (args.seed, num_examples):
-        raise UsageError(f"the checkpoint was written with --seed {trainer_state['seed']} on "
-                         f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on "
-                         f"{num_examples}; resume with the same data and seed")
+    if trainer_state["seed"] != args.seed:
+        raise other_data_or_seed(trainer_state, args, num_examples)
     saved_template = trainer_state.get("prompt_template", "alpaca")  # checkpoints from before the flag: alpaca
     if saved_template != args.prompt_template:
         raise UsageError(f"the checkpoint was trained with --prompt_template {saved_template}, this run has "
                          f"{args.prompt_template}; resume with --prompt_template {saved_template}")
+
+
+def other_data_or_seed(trainer_state: dict, args: argparse.Namespace, num_examples: int) -> UsageError:
+    return UsageError(f"the checkpoint was written with --seed {trainer_state['seed']} on "
+                      f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on {num_examples}; "
+                      "resume with the same data and seed")
 
 
 def prepare_output_dir(args: argparse.Namespace) -> Path | None:
@@ -365,13 +412,14 @@ def remove_stale_staging(output_dir: str | os.PathLike) -> None:
 
 def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float], optimizer_state: dict, scheduler,
                   rng_states: list[dict], args: argparse.Namespace, world_size: int, num_examples: int,
-                  wandb_run_id: str | None) -> dict:
-    """Everything besides the interventions that an exact resume needs. `optimizer_state` is torch's
-    `optimizer.state_dict()` (under DeepSpeed: alpaca.deepspeed.optimizer_state, the same format)."""
+                  wandb_run_id: str | None, fingerprint: dict) -> dict:
+    """Everything besides the interventions that an exact resume needs, and what the run is bound to
+    (training_fingerprint). `optimizer_state` is torch's `optimizer.state_dict()` (under DeepSpeed:
+    alpaca.deepspeed.optimizer_state, the same format)."""
     return {"step": step, "epoch": epoch, "next_batch": next_batch, "window": window,
             "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_states,
             "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
-            "prompt_template": args.prompt_template, "wandb_run_id": wandb_run_id}
+            "prompt_template": args.prompt_template, "wandb_run_id": wandb_run_id, "fingerprint": fingerprint}
 
 
 class StopSignal:

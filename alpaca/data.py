@@ -7,16 +7,16 @@ import inspect
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from alpaca.args import cache_root
+from alpaca.args import ALPACA_FIELDS, cache_root
 from alpaca.errors import UsageError
+from alpaca.manifest import cached_directory
 
 IGNORE_INDEX = -100
 
@@ -218,21 +218,25 @@ def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_templ
 def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | None = None,
                     prompt_template: str = "alpaca"):
     """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
-    load it in a second instead of tokenizing again."""
+    load it in a second instead of tokenizing again. The cache is checked against its manifest when read, and
+    tokenized again if it is damaged."""
     import datasets
 
+    def build(directory: Path) -> None:
+        tokenize(records, tokenizer, model_max_length, prompt_template).save_to_disk(str(directory))
+
     fingerprint = _dataset_fingerprint(records, tokenizer, model_max_length, prompt_template)
-    path = cache_root(cache_dir) / "tokenized" / fingerprint
-    if not path.exists():
-        dataset = tokenize(records, tokenizer, model_max_length, prompt_template)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".staging-", dir=path.parent)
-        dataset.save_to_disk(staging)
-        try:
-            os.rename(staging, path)  # atomic: a concurrent writer or a crash never leaves half a cache
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
+    path = cached_directory(cache_root(cache_dir) / "tokenized" / fingerprint, build, "the tokenized data")
     return datasets.load_from_disk(str(path))
+
+
+def records_fingerprint(records) -> str:
+    """SHA-256 of the training records as trained on, in order: their instruction, input and output after
+    --field_map, --max_n_train_example and the held-out split. Their content, not their file's path or date."""
+    digest = hashlib.sha256()
+    for batch in records.select_columns(list(ALPACA_FIELDS)).iter(batch_size=1000):
+        digest.update(json.dumps([batch[field] for field in ALPACA_FIELDS]).encode())
+    return digest.hexdigest()
 
 
 def prompt_windows(prompt_length: int, first_n: int, last_n: int) -> tuple[list[int], list[int]]:

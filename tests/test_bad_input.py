@@ -75,6 +75,22 @@ CASES = [
     ("malformed eval file", ["--eval_data_path", "{malformed json}"], "--eval_data_path '"),
     ("missing resume checkpoint", ["--resume_from_checkpoint", "{output_dir}/checkpoint-7"],
      "is missing (no such directory); pass an intact checkpoint-<step> directory"),
+    # numbers, against what they mean
+    ("negative learning rate", ["--learning_rate", "-1"], "--learning_rate must be positive, got -1.0"),
+    ("infinite learning rate", ["--learning_rate", "inf"], "--learning_rate must be positive, got inf"),
+    ("warmup ratio above 1", ["--warmup_ratio", "2"], "--warmup_ratio must be in [0, 1], got 2.0"),
+    ("negative weight decay", ["--weight_decay", "-1"], "--weight_decay must be 0 or more, got -1.0"),
+    ("beta of 1", ["--adam_beta2", "1"], "--adam_beta2 must be in [0, 1), got 1.0"),
+    ("no epochs", ["--num_train_epochs", "0"], "--num_train_epochs must be positive (--max_steps, when given, "
+     "overrides it), got 0.0"),
+    ("negative max steps", ["--max_steps", "-5"], "--max_steps must be a positive integer, or -1 to train "
+     "--num_train_epochs, got -5"),
+    ("logging every 0 steps", ["--logging_steps", "0"], "--logging_steps must be a whole number of steps, or below 1 "
+     "a fraction of the run, got 0.0"),
+    ("logging every 2.5 steps", ["--logging_steps", "2.5"], "--logging_steps must be a whole number of steps"),
+    ("negative checkpoint limit", ["--save_total_limit", "-1"], "--save_total_limit must be at least 1 (leave it out "
+     "to keep every checkpoint), got -1"),
+    ("negative seed", ["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
 ]
 
 
@@ -129,6 +145,19 @@ def test_more_processes_than_gpus(tiny_model, tmp_path, output_dir):
     assert result.returncode != 0
     message = "train_multigpu.py: error: 2 processes on this node but 1 GPU(s) visible; launch with --nproc_per_node 1"
     assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert (output_dir / "notes.txt").read_text() == SENTINEL
+
+
+def test_a_mistake_every_rank_finds_is_reported_by_rank_0_even_when_it_is_last(output_dir):
+    """Each rank refuses --learning_rate -1 at parse time, rank 0 last (it starts 5 s late). The others wait for
+    torchrun to stop them: one leaving first would get rank 0 stopped before it has printed."""
+    rank_0_late = ("import os, runpy, sys, time; time.sleep(5 if os.environ['RANK'] == '0' else 0); "
+                   "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = torchrun(2, [sys.executable, "-c", rank_0_late, "train_multigpu.py", "--learning_rate", "-1",
+                          "--output_dir", str(output_dir)], extra=["--no-python"])
+    assert result.returncode != 0
+    assert result.stderr.count("train_multigpu.py: error: --learning_rate must be positive, got -1.0") == 1, \
+        result.stderr[-3000:]
     assert (output_dir / "notes.txt").read_text() == SENTINEL
 
 

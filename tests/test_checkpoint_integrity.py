@@ -3,6 +3,7 @@ plainly and loses nothing."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -22,8 +23,9 @@ from conftest import (
 )
 from faults import Fault
 
-from alpaca.checkpoint import MANIFEST, checkpoints, is_complete, latest_checkpoint, load_checkpoint, sha256
+from alpaca.checkpoint import MANIFEST, checkpoints, is_complete, latest_checkpoint, load_checkpoint
 from alpaca.errors import UsageError
+from alpaca.manifest import sha256
 
 
 class RunsCode:
@@ -207,3 +209,61 @@ def test_every_torch_load_in_the_project_is_weights_only():
     calls = [(path.relative_to(REPO), line) for path in REPO.glob("**/*.py") if ".venv" not in path.parts
              for line in path.read_text().splitlines() if "torch.load(" in line and "def " not in line]
     assert calls and all("weights_only=True" in line for _, line in calls), calls
+
+
+def sizes_as_numbers(manifest: dict) -> dict:
+    return {**manifest, "files": {name: entry["bytes"] for name, entry in manifest["files"].items()}}
+
+
+def path_outside(manifest: dict) -> dict:
+    files = dict(manifest["files"])
+    files["../trainer_state.pt"] = files.pop("trainer_state.pt")
+    return {**manifest, "files": files}
+
+
+def without(name: str):
+    return lambda manifest: {**manifest, "files": {key: entry for key, entry in manifest["files"].items()
+                                                   if key != name}}
+
+
+MANIFEST_SHAPES = {
+    # (how the manifest is rewritten, what the notice says after "damaged (")
+    "sizes as plain numbers": (sizes_as_numbers, "manifest.json is not a manifest of this format"),
+    "a list": (lambda manifest: list(manifest["files"]), "manifest.json is not a manifest of this format"),
+    "no files": (lambda manifest: {**manifest, "files": {}}, "manifest.json is not a manifest of this format"),
+    "a size that is text": (lambda manifest: {**manifest, "files": {**manifest["files"], "trainer_state.pt": {
+        **manifest["files"]["trainer_state.pt"], "bytes": "1"}}}, "manifest.json is not a manifest of this format"),
+    "a path outside": (path_outside, "manifest.json is not a manifest of this format"),
+    "a file left out": (without("trainer_state.pt"), "manifest.json does not list trainer_state.pt"),
+    "another format": (lambda manifest: {**manifest, "format": "2"}, "manifest.json gives format '2', this version "
+                                                                       "writes 2"),
+}
+
+
+@pytest.mark.parametrize("shape", MANIFEST_SHAPES)
+def test_a_manifest_of_another_shape_is_damage(tmp_path, killed_run, capsys, shape):
+    """Valid JSON, but not the manifest this version writes: the checkpoint is damaged, like one whose file does
+    not match its SHA-256 (refused when named, skipped by auto with a warning)."""
+    rewritten, problem = MANIFEST_SHAPES[shape]
+    shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
+    newest = tmp_path / "checkpoint-6"
+    (newest / MANIFEST).write_text(json.dumps(rewritten(json.loads((newest / MANIFEST).read_text()))))
+    with pytest.raises(UsageError, match=f"checkpoint-6' is damaged \\({re.escape(problem)}\\); pass an intact"):
+        load_checkpoint(newest)
+    capsys.readouterr()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    assert capsys.readouterr().err == f"warning: skipping {newest}: damaged ({problem})\n"
+
+
+def test_auto_resume_past_a_manifest_of_another_shape_is_exact(tiny_model, tiny_data, tmp_path, killed_run,
+                                                               reference):
+    """File sizes as plain numbers in the newest checkpoint's manifest: the run resumes from the one before."""
+    shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
+    manifest_file = tmp_path / "checkpoint-6" / MANIFEST
+    manifest_file.write_text(json.dumps(sizes_as_numbers(json.loads(manifest_file.read_text()))))
+    status, stdout, stderr = run_in_process("train.py", [*flags(tiny_model, tiny_data, tmp_path, *SINGLE),
+                                                         "--resume_from_checkpoint", "auto"])
+    assert status == 0, stderr[-3000:]
+    assert f"skipping {tmp_path / 'checkpoint-6'}: damaged (manifest.json is not a manifest" in stderr
+    assert "at step 4" in stdout
+    assert_same_run(tmp_path, reference / "single", exact=True)

@@ -18,6 +18,7 @@ from conftest import (
     SINGLE,
     assert_every_rank_left_on_its_own,
     assert_same_run,
+    copy_as_killed,
     exit_statuses,
     flags,
     free_port,
@@ -27,7 +28,8 @@ from conftest import (
     torchrun,
 )
 
-from alpaca.checkpoint import checkpoints, latest_checkpoint, sha256
+from alpaca.checkpoint import checkpoints, latest_checkpoint
+from alpaca.manifest import MANIFEST, sha256
 from alpaca.output import read_metrics
 
 
@@ -198,3 +200,91 @@ def test_a_resumed_run_continues_its_wandb_run(stopped_and_resumed):
     run_dirs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 2 and all(path.name.endswith(f"-{run_id}") for path in run_dirs), run_dirs
     assert b"train/loss" in next(run_dirs[1].glob("run-*.wandb")).read_bytes()
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
+            if path.is_file()}
+
+
+def refused_resume(run_dir: Path, args: list[str]) -> str:
+    """The last line of a resume that must be refused (exit 2, one line) leaving `run_dir` as it was."""
+    before = files_of(run_dir)
+    status, _, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
+    assert status == 2, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert files_of(run_dir) == before
+    return stderr.strip().splitlines()[-1]
+
+
+def test_resume_on_edited_data_is_refused(tiny_model, tiny_data, tmp_path, reference):
+    """The data file edited after the checkpoint: as many records, one training answer changed."""
+    from alpaca.data import load_splits
+
+    shutil.copytree(reference / "single", tmp_path / "run")
+    records = json.loads(tiny_data.read_text())
+    trained_on = load_splits(str(tiny_data), eval_split_ratio=0.15, seed=42)[0][0]  # the reference runs' split
+    edited = next(record for record in records if record["instruction"] == trained_on["instruction"])
+    edited["output"] += " Indeed."
+    (tmp_path / "edited.json").write_text(json.dumps(records))
+    message = refused_resume(tmp_path / "run", flags(tiny_model, tmp_path / "edited.json", tmp_path / "run", *SINGLE))
+    assert message.startswith("train.py: error: this run differs from the checkpoint in the training data (the "
+                              "records of --data_path"), message
+    assert "Resume with the data, model and flags the checkpoint was trained with" in message
+
+
+def test_resume_on_another_base_model_is_refused(tiny_model, tiny_data, tmp_path, reference):
+    """A model of the same architecture and shapes, with other weights (one tensor changed)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(reference / "single", tmp_path / "run")
+    other = shutil.copytree(tiny_model, tmp_path / "other-model")
+    weights = load_file(other / "model.safetensors")
+    weights["model.layers.3.mlp.down_proj.weight"] *= 1.01
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    message = refused_resume(tmp_path / "run", flags(other, tiny_data, tmp_path / "run", *SINGLE))
+    assert message == (f"train.py: error: this run differs from the checkpoint in the base model's weights "
+                       f"(--model_name_or_path '{other}'). Resume with the data, model and flags the checkpoint was "
+                       "trained with (its training_args.json), or train anew in another --output_dir")
+
+
+@pytest.mark.parametrize("changed,difference", [
+    (["--model_max_length", "256"], "--model_max_length (512 in the checkpoint, 256 in this run)"),
+    # the same interventions (keys, shapes, initial weights) at other prompt positions
+    (["--position", "f1+l1"], "--position (f2+l2 in the checkpoint, f1+l1 in this run)"),
+    # restored from the optimizer and scheduler states, it would be ignored without a word
+    (["--learning_rate", "0.02"], "--learning_rate (0.01 in the checkpoint, 0.02 in this run)"),
+])
+def test_resume_with_other_arithmetic_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, difference):
+    shutil.copytree(reference / "single", tmp_path / "run")
+    message = refused_resume(tmp_path / "run", [*flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE), *changed])
+    assert message.startswith(f"train.py: error: this run differs from the checkpoint in {difference}. "), message
+
+
+def test_resume_past_the_end_is_refused(tiny_model, tiny_data, tmp_path, reference):
+    """A resume that would train 0 steps (checkpoint-8, --max_steps 5)."""
+    shutil.copytree(reference / "single", tmp_path / "run")
+    message = refused_resume(tmp_path / "run", [*flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE),
+                                                "--max_steps", "5"])
+    assert message.endswith("the checkpoint is at step 8 and this run ends at step 5: nothing to train; raise "
+                            "--max_steps or --num_train_epochs (the checkpoint loads as an output as it is)")
+
+
+def test_a_checkpoint_from_before_fingerprints_resumes_with_a_notice(tiny_model, tiny_data, tmp_path, reference):
+    """A checkpoint written before checkpoints recorded their data, model and flags (the field stripped, the
+    manifest updated to match) resumes, exactly, saying that they cannot be checked."""
+    copy_as_killed(reference / "single", tmp_path, 6)
+    state_file, manifest_file = tmp_path / "checkpoint-6" / "trainer_state.json", tmp_path / "checkpoint-6" / MANIFEST
+    state = json.loads(state_file.read_text())
+    del state["fingerprint"]
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"]["trainer_state.json"] = {"bytes": state_file.stat().st_size, "sha256": sha256(state_file)}
+    manifest_file.write_text(json.dumps(manifest))
+    status, stdout, stderr = run_in_process("train.py", [*flags(tiny_model, tiny_data, tmp_path, *SINGLE),
+                                                         "--resume_from_checkpoint", "auto"])
+    assert status == 0, stderr[-3000:]
+    assert "at step 6" in stdout
+    assert ("warning: the checkpoint was written before checkpoints recorded their data, base model and flags, so "
+            "they cannot be checked") in stderr
+    assert_same_run(tmp_path, reference / "single", exact=True)

@@ -1,0 +1,107 @@
+"""Caches are checked when read: a damaged tokenized dataset or converted default model is built again, with a
+one-line notice, never a traceback; concurrent first runs on one cache share it."""
+
+import multiprocessing
+
+import torch
+from conftest import build_tiny_model, run_in_process, write_records
+
+import alpaca.data
+import alpaca.model
+from alpaca.data import load_records, prepare_dataset, tokenize
+from alpaca.manifest import MANIFEST, directory_problem
+from alpaca.model import embedded_model_dir, load_base_model
+
+
+def run_flags(data, output_dir, cache_dir, *extra) -> list:
+    return ["--data_path", data, "--output_dir", output_dir, "--cache_dir", cache_dir, "--layers", "1;2",
+            "--max_steps", "1", "--num_sample_answers", "0", "--overwrite_output_dir", *extra]
+
+
+def test_a_tokenized_cache_cut_short_is_rebuilt(tiny_model, tmp_path):
+    """A run, then one of its cache's files cut short (as a full disk or an interrupted copy leaves it): the next
+    run says so in one line, tokenizes again and trains."""
+    args = run_flags(write_records(tmp_path / "data.json", 5), tmp_path / "out", tmp_path / "cache",
+                     "--model_name_or_path", tiny_model)
+    status, _, stderr = run_in_process("train.py", args)
+    assert status == 0, stderr[-3000:]
+    [cache] = (tmp_path / "cache" / "tokenized").iterdir()
+    [arrow] = cache.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    status, _, stderr = run_in_process("train.py", args)
+    assert status == 0, stderr[-3000:]
+    assert (f"warning: the tokenized data in {cache} is incomplete ({arrow.name} is missing or cut short); building "
+            "it again") in stderr.splitlines()
+    assert "Traceback" not in stderr and directory_problem(cache) is None
+
+
+def test_a_tokenized_cache_with_a_flipped_byte_is_rebuilt(tiny_model, tiny_data, tmp_path, capsys):
+    """Damage that keeps the size (a token id changed): the SHA-256 tells it; the rebuilt cache is the data."""
+    tokenizer = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))[1]
+    records = load_records(str(tiny_data))
+    prepare_dataset(records, tokenizer, 512, str(tmp_path))
+    [cache] = (tmp_path / "tokenized").iterdir()
+    [arrow] = cache.glob("*.arrow")
+    data = bytearray(arrow.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    arrow.write_bytes(bytes(data))
+    capsys.readouterr()
+    dataset = prepare_dataset(records, tokenizer, 512, str(tmp_path))
+    assert (f"warning: the tokenized data in {cache} is damaged ({arrow.name} does not match its SHA-256 in "
+            f"{MANIFEST}); building it again") in capsys.readouterr().err.splitlines()
+    assert dataset["input_ids"] == tokenize(records, tokenizer, 512)["input_ids"]
+
+
+def first_run(tokenizer, data_path: str, cache_dir: str, both_tokenizing, results) -> None:
+    """One of two processes starting on an empty cache: each tokenizes (both at once: neither goes on before
+    the other has begun), then puts its copy in place or finds the other's."""
+    tokenize = alpaca.data.tokenize
+
+    def tokenize_with_the_other(*args, **kwargs):
+        both_tokenizing.wait(timeout=60)
+        return tokenize(*args, **kwargs)
+
+    alpaca.data.tokenize = tokenize_with_the_other
+    results.put(prepare_dataset(load_records(data_path), tokenizer, 512, cache_dir)["input_ids"])
+
+
+def test_concurrent_first_runs_share_one_cache(tiny_model, tiny_data, tmp_path):
+    tokenizer = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))[1]
+    context = multiprocessing.get_context("fork")  # the test's imports and tokenizer, without a fresh interpreter
+    both_tokenizing, results = context.Barrier(2), context.Queue()
+    processes = [context.Process(target=first_run, args=(tokenizer, str(tiny_data), str(tmp_path), both_tokenizing,
+                                                         results)) for _ in range(2)]
+    for process in processes:
+        process.start()
+    outputs = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    assert [process.exitcode for process in processes] == [0, 0]
+    expected = tokenize(load_records(str(tiny_data)), tokenizer, 512)["input_ids"]
+    assert outputs == [expected, expected]
+    [cache] = (tmp_path / "tokenized").iterdir()  # one cache, no staging copy left
+    assert directory_problem(cache) is None
+
+
+def test_a_damaged_converted_default_model_is_converted_again(tiny_data, tmp_path, monkeypatch):
+    """The default model's converted directory with its weights cut short: the next run with the default model
+    says so in one line, converts again and trains. The conversion (40 s of dequantizing the GGUF) is replaced
+    by writing a tiny model; what is tested is the check and the rebuild around it."""
+    conversions = []
+
+    def convert(directory):
+        conversions.append(directory)
+        build_tiny_model(directory)
+
+    monkeypatch.setattr(alpaca.model, "convert_embedded_model", convert)
+    converted = embedded_model_dir(str(tmp_path / "cache"))
+    assert directory_problem(converted) is None and len(conversions) == 1
+    weights = converted / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    args = run_flags(tiny_data, tmp_path / "out", tmp_path / "cache")
+    status, stdout, stderr = run_in_process("train.py", args)
+    assert status == 0, stderr[-3000:]
+    assert (f"warning: the converted default model in {converted} is incomplete (model.safetensors is missing or "
+            "cut short); building it again") in stderr.splitlines()
+    assert len(conversions) == 2 and directory_problem(converted) is None and "Traceback" not in stderr
+    assert not [path for path in converted.parent.iterdir() if path.name.startswith(".")]  # no staging left
