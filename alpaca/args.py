@@ -294,6 +294,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.share_weights and not all(parse_position(args.position)) and is_main_process():
         print(f"warning: --share_weights shares one intervention between the f and l windows of a layer; "
               f"--position {args.position} has one window, so it changes nothing", file=sys.stderr)
+    follow_accelerate_launch(args)
     fsdp_words = set(getattr(args, "fsdp", "").split())
     if fsdp_words - FSDP_WORDS:
         raise UsageError(f"--fsdp {args.fsdp!r}: unknown option {sorted(fsdp_words - FSDP_WORDS)[0]!r}; use "
@@ -310,6 +311,36 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
     check_data_path("--data_path", args.data_path)
     validate_eval(args)
+
+
+def follow_accelerate_launch(args: argparse.Namespace) -> None:
+    """`accelerate launch --use_deepspeed` and `--use_fsdp` tell the script through its environment (accelerate 1.x:
+    ACCELERATE_USE_DEEPSPEED and ACCELERATE_DEEPSPEED_CONFIG_FILE; ACCELERATE_USE_FSDP and FSDP_OFFLOAD_PARAMS),
+    which accelerate's own Accelerator would read. These scripts have none, so they read them here: the run is
+    the one of --deepspeed CONFIG.json or --fsdp, never a silent DDP run. The other DeepSpeed and FSDP settings
+    of accelerate are not read: the config file and the flags give them."""
+    launched_with = [name for name, variable in (("--use_deepspeed", "ACCELERATE_USE_DEEPSPEED"),
+                                                 ("--use_fsdp", "ACCELERATE_USE_FSDP"))
+                     if os.environ.get(variable, "").lower() == "true"]
+    if not launched_with:
+        return
+    if not hasattr(args, "fsdp"):
+        raise UsageError(f"accelerate launch {launched_with[0]}: train.py trains on one device; launch "
+                         "train_multigpu.py with the same flags")
+    if launched_with[0] == "--use_fsdp":
+        words = (args.fsdp or "full_shard").split()
+        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true"
+        args.fsdp = " ".join(words + (["offload"] if offload and "offload" not in words else []))
+        return
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not config_file:
+        raise UsageError("accelerate launch --use_deepspeed without --deepspeed_config_file: ZeRO's settings come "
+                         "from a DeepSpeed config here; add --deepspeed_config_file examples/deepspeed/zero2.json (or "
+                         "pass --deepspeed CONFIG.json to the script)")
+    if args.deepspeed and os.path.abspath(args.deepspeed) != os.path.abspath(config_file):
+        raise UsageError(f"--deepspeed {args.deepspeed} and accelerate's --deepspeed_config_file {config_file} differ; "
+                         "pass one of them")
+    args.deepspeed = config_file
 
 
 def check_data_path(flag: str, path: str) -> None:

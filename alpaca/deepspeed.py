@@ -15,8 +15,10 @@ optimizer state is written as torch's AdamW writes it without DeepSpeed, full pe
 and spread back to the partitions with DeepSpeed's public safe_get/safe_set functions. So a checkpoint written
 without DeepSpeed resumes under it (tested from train.py's); the other way is the same format, untested.
 
-Float32 only, for now: in bf16/fp16 DeepSpeed's flat groups mix pyreft's float32 rotation with the learned
-source in the model's dtype, and the forward fails (seen on CPU); such a run is refused with one line.
+On a bf16 base the interventions are float32 as everywhere (alpaca.workarounds.compute_in_float32), so every
+trainable parameter, every flat group and the optimizer state are float32; the config's "bf16" section is
+dropped (alpaca.deepspeed_config), so DeepSpeed casts nothing: the frozen base stays in bf16 (partitioned in
+bf16 under ZeRO-3). fp16 would need loss scaling, which these scripts do not run: refused with one line.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from alpaca.sharding import return_freed_buffers_to_the_os
 
 
 def check_for_device(config: dict, path: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Offloading moves ZeRO's state from GPUs to the CPU: meaningless on a CPU. The model's dtype must be
-    float32 (see the module's docstring)."""
-    if dtype != torch.float32:
-        raise UsageError(f"--deepspeed {path}: training under DeepSpeed runs in float32 only for now (in {dtype} "
-                         "its flat groups mix pyreft's float32 rotation with the model's dtype); pass --dtype float32")
+    """Offloading moves ZeRO's state from GPUs to the CPU: meaningless on a CPU. A float16 base would need loss
+    scaling (see the module's docstring)."""
+    if dtype == torch.float16:
+        raise UsageError(f"--deepspeed {path}: a float16 base needs loss scaling, which these scripts do not run "
+                         "under DeepSpeed; pass --dtype bfloat16 (or float32)")
     for section in ("offload_optimizer", "offload_param"):
         offload = config["zero_optimization"].get(section, {}).get("device", "none")
         if offload != "none" and device.type != "cuda":
@@ -135,7 +137,8 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq")  # torch AdamW's per-parameter tensors, b
 def link_optimizer_state(engine) -> None:
     """ZeRO-1/2 link each parameter to its slice of the optimizer state once, at the first step of the first
     group, when AdamW has not yet created the other groups' state (DeepSpeed 0.19): the later groups' read as
-    missing. Linked again, every group's is there. ZeRO-3 reads the state where it is."""
+    missing. Linked again, every group's is there. ZeRO-3 reads the state where it is. The method is private,
+    with no public equivalent: alpaca.deepspeed_config refuses any DeepSpeed but TESTED_DEEPSPEED."""
     zero_optimizer = engine.optimizer
     if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):
         zero_optimizer._hp_optimizer_states_linked = False

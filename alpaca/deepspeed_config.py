@@ -4,9 +4,14 @@ config is one line before torch is imported (alpaca.deepspeed runs the engine)."
 from __future__ import annotations
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from alpaca.errors import UsageError
+
+# alpaca.deepspeed reads private parts of DeepSpeed's ZeRO optimizers (see link_optimizer_state and
+# load_optimizer_state there), checked against this version only (requirements.txt pins it).
+TESTED_DEEPSPEED = "0.19.8"
 
 
 def load_config(args, world_size: int) -> dict:
@@ -14,6 +19,14 @@ def load_config(args, world_size: int) -> dict:
     called while the arguments are checked, before anything is loaded or written."""
     path = args.deepspeed
     where = f"--deepspeed {path}"
+    try:
+        installed = version("deepspeed")
+    except PackageNotFoundError:
+        installed = None
+    if installed != TESTED_DEEPSPEED:
+        found = f"DeepSpeed {installed} is installed" if installed else "DeepSpeed is not installed"
+        raise UsageError(f"{where}: {found}, and these scripts are tested with DeepSpeed {TESTED_DEEPSPEED} only (they "
+                         f"read private parts of its ZeRO optimizers); pip install deepspeed=={TESTED_DEEPSPEED}")
     try:
         text = Path(path).read_text()
     except OSError as error:

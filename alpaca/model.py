@@ -15,7 +15,14 @@ from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, cache_root, parse_layers
 from alpaca.errors import UsageError
 from alpaca.manifest import cached_directory, sha256
 from alpaca.sharding import empty_base_model
-from alpaca.workarounds import import_pyreft, keep_foreign_hooks, register_layout, scatter_on_device, set_train_mode
+from alpaca.workarounds import (
+    compute_in_float32,
+    import_pyreft,
+    keep_foreign_hooks,
+    register_layout,
+    scatter_on_device,
+    set_train_mode,
+)
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -189,7 +196,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
             "layer": layer,
             "component": "block_output",
             "low_rank_dimension": rank,
-            "intervention": new_intervention(intervention_class, hidden_size, rank, model.dtype, dropout),
+            "intervention": new_intervention(intervention_class, hidden_size, rank, dropout),
         }
         for layer in layer_ids
     ]
@@ -199,6 +206,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations),
                                        set_device=model.device.type != "meta")
     keep_foreign_hooks(reft_model)
+    compute_in_float32(reft_model)
     scatter_on_device(reft_model)
     set_train_mode(reft_model, True)
     return reft_model
@@ -211,11 +219,11 @@ def import_intervention(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def new_intervention(intervention_class, hidden_size: int, rank: int, dtype: torch.dtype, dropout: float = 0.0,
-                     add_bias: bool = True):
-    """One pyreft intervention. Its learned source is built in the model's dtype (pyreft's forward needs it,
-    and defaults to bf16); `add_bias` is the NoReFT family's projection bias, ignored by the others."""
-    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=dtype,
+def new_intervention(intervention_class, hidden_size: int, rank: int, dropout: float = 0.0, add_bias: bool = True):
+    """One pyreft intervention, every weight in float32 whatever the base's dtype (pyreft's default is bf16 for
+    the learned source, which loses small updates): `compute_in_float32` casts at its boundary. `add_bias` is
+    the NoReFT family's projection bias, ignored by the others."""
+    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=torch.float32,
                               add_bias=add_bias)
 
 

@@ -18,7 +18,7 @@ import torch
 from alpaca.args import INTERVENTIONS
 from alpaca.errors import UsageError
 from alpaca.model import import_intervention, new_intervention
-from alpaca.workarounds import import_pyreft, keep_foreign_hooks, register_layout, set_train_mode
+from alpaca.workarounds import compute_in_float32, import_pyreft, keep_foreign_hooks, register_layout, set_train_mode
 
 ARGS_FILE = "training_args.json"
 METRICS_FILE = "metrics.jsonl"
@@ -48,13 +48,14 @@ def save_interventions(reft_model, directory: str | os.PathLike) -> None:
 
 
 def load_reft_model(directory: str | os.PathLike, base_model):
-    """The ReFT model saved in `directory` (pyreft's format), on the base model's device and in its dtype.
+    """The ReFT model saved in `directory` (pyreft's format), on the base model's device, computing as training
+    did: interventions in float32, their outputs in the base's dtype (alpaca.workarounds.compute_in_float32).
 
     It reads pyreft's files itself rather than through `pyreft.ReftModel.load`, which fails on NoReFT and
     NodiReFT (their `add_bias` is not saved), rebuilds learned sources in bfloat16 whatever the model's
     dtype, and imports whatever module config.json names. Here each intervention is rebuilt from its
-    class (only those of INTERVENTIONS), in the model's dtype, and takes its saved state through its own
-    `load_state_dict`, whatever its layout. Nothing runs code: `intkey_*.bin` are read weights-only.
+    class (only those of INTERVENTIONS) and takes its saved state through its own `load_state_dict`,
+    whatever its layout. Nothing runs code: `intkey_*.bin` are read weights-only.
     """
     import pickle
 
@@ -80,13 +81,14 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     pyreft = import_pyreft()
     representations = [
         {"layer": layer, "component": component, "low_rank_dimension": rank,
-         "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank, base_model.dtype,
+         "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank,
                                           add_bias="proj_layer.bias" in states.get(f"intkey_{key}.bin", {}))}
         for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
     ]
     register_layout(base_model)
     reft_model = pyreft.get_reft_model(base_model, pyreft.ReftConfig(representations=representations))
     keep_foreign_hooks(reft_model)
+    compute_in_float32(reft_model)
     for key, intervention in reft_model.interventions.items():
         if f"intkey_{key}.bin" not in states:
             raise UsageError(f"{directory} lacks intkey_{key}.bin; pass a complete output_dir")

@@ -70,6 +70,20 @@ def index_tensors_on(reft_model, device: torch.device) -> None:
     reft_model.get_device = lambda: device
 
 
+def compute_in_float32(reft_model) -> None:
+    """pyreft 0.1.0 builds each intervention's learned source (and NoReFT's projection) in the dtype it is given,
+    bfloat16 by default, and its forwards need the hidden state in that dtype (`learned_source(base)`). A bf16
+    weight loses AdamW's updates that fall below half a bf16 spacing: at lr 2e-5, 15 steps moved 3-8 % of the
+    entries of each such weight (docs/exactness.md). So interventions are built in float32
+    (alpaca.model.new_intervention) and computed in float32: the hidden state goes in cast up, the output comes
+    back in the base's dtype, which pyvene writes into the base's hidden state. On a float32 base both casts
+    return their input."""
+    dtype = reft_model.model.dtype
+    for intervention in {id(module): module for module in reft_model.interventions.values()}.values():
+        intervention.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+        intervention.register_forward_hook(lambda module, args, output: output.to(dtype))
+
+
 def set_train_mode(reft_model, training: bool) -> None:
     """pyvene's `train()`/`eval()` switch only the base model and leave the interventions (and their
     dropout) in whatever mode they were built: the frozen base stays in eval, interventions follow."""

@@ -72,9 +72,10 @@ def test_ranks_see_disjoint_shards_covering_each_epoch_in_a_new_order():
 
 
 def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
-    """On a bf16 model pyreft's own loader rebuilds exactly the interventions we trained (not their initial
-    values, which the files would also hold if training changed nothing). One process of train_multigpu.py (2
-    ranks train in bf16 in test_resume.py's stop-signal runs)."""
+    """On a bf16 model pyreft's own loader rebuilds the interventions we trained (not their initial values, which
+    the files would also hold if training changed nothing): the rotation exactly, the float32 learned source
+    rounded to bf16, where pyreft builds it. One process of train_multigpu.py (2 ranks train in bf16 in
+    test_resume.py's stop-signal runs)."""
     import pyreft
 
     from alpaca.model import build_reft_model, load_base_model
@@ -90,9 +91,9 @@ def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
     torch.manual_seed(42)  # the run's --seed: its initial interventions
     initial = build_reft_model(fresh, "1;2", (2, 2), False, rank=4).interventions
     for key, intervention in reft_model.interventions.items():
-        assert torch.equal(intervention.learned_source.weight, saved[f"intkey_{key}.bin/weight"])
+        assert torch.equal(intervention.learned_source.weight, saved[f"intkey_{key}.bin/weight"].bfloat16())
         assert torch.equal(intervention.rotate_layer.weight, saved[f"intkey_{key}.bin/rotate_layer"])
-        assert not torch.equal(intervention.learned_source.weight, initial[key].learned_source.weight)
+        assert not torch.equal(intervention.learned_source.weight, initial[key].learned_source.weight.bfloat16())
     ids = torch.randint(0, 300, (1, 12))
     locations = [[[0, 1]]] * 2 + [[[10, 11]]] * 2
     _, outputs = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})

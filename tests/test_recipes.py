@@ -6,7 +6,17 @@ import os
 import subprocess
 
 import pytest
-from conftest import RECIPE_ENV, RECIPES, REPO, assert_same_run, free_port, intervention_weights, recipe, run_script
+from conftest import (
+    RECIPE_ENV,
+    RECIPES,
+    REPO,
+    assert_same_run,
+    free_port,
+    intervention_weights,
+    recipe,
+    run_in_process,
+    run_script,
+)
 
 
 def plan_batch(processes: int) -> subprocess.CompletedProcess:
@@ -49,6 +59,44 @@ def test_accelerate_recipe_trains_the_model_of_one_process(runs):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "x 2 accumulation" in result.stdout
     assert_same_run(output_dir, root / "single")
+
+
+@pytest.mark.parametrize("strategy,variables,layout", [
+    ("deepspeed", {"DEEPSPEED_CONFIG": str(REPO / "examples" / "deepspeed" / "zero2.json")},
+     "base model replicated (DeepSpeed ZeRO-2)"),
+    ("fsdp", {"FSDP": "1"}, "base model sharded (FSDP)"),
+], ids=["deepspeed", "fsdp"])
+def test_accelerate_deepspeed_and_fsdp_run_them(runs, strategy, variables, layout):
+    """`accelerate launch --use_deepspeed --deepspeed_config_file zero2.json` and `--use_fsdp` (the recipe with
+    DEEPSPEED_CONFIG or FSDP) run the script's ZeRO-2 and FSDP, as --deepspeed and --fsdp would, not DDP: the
+    model of one process."""
+    root, data = runs
+    output_dir = root / f"recipe-accelerate-{strategy}"
+    result = recipe("accelerate.sh", data, {"OUTPUT_DIR": str(output_dir), "MASTER_PORT": str(free_port()),
+                                            "NPROC": "2", **variables})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert layout in result.stdout, result.stdout[-2000:]
+    assert_same_run(output_dir, root / "single")
+
+
+@pytest.mark.parametrize("script,variables,message", [
+    ("train_multigpu.py", {"ACCELERATE_USE_DEEPSPEED": "true"},
+     "accelerate launch --use_deepspeed without --deepspeed_config_file: ZeRO's settings come from a DeepSpeed "
+     "config here; add --deepspeed_config_file examples/deepspeed/zero2.json (or pass --deepspeed CONFIG.json to "
+     "the script)"),
+    ("train.py", {"ACCELERATE_USE_FSDP": "true"},
+     "accelerate launch --use_fsdp: train.py trains on one device; launch train_multigpu.py with the same flags"),
+], ids=["deepspeed without a config", "train.py"])
+def test_accelerate_modes_the_scripts_cannot_follow_are_refused(tiny_model, tiny_data, tmp_path, monkeypatch, script,
+                                                               variables, message):
+    """What accelerate launch sets for them (accelerate's own DeepSpeed settings, from its flags, without a
+    config file; any strategy of train.py, a one-device script): one line, before anything is written."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    status, _, stderr = run_in_process(script, ["--model_name_or_path", tiny_model, "--data_path", tiny_data,
+                                                "--output_dir", tmp_path / "out"])
+    assert status == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_two_nodes_recipe_meets_through_c10d(runs):

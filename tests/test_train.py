@@ -117,7 +117,11 @@ def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
             reloaded = load(str(tmp_path / str(dtype)), fresh)
             with torch.no_grad():
                 actual = reloaded({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})[1].logits
-            assert torch.equal(actual, expected), (load, dtype)
+            if load is load_reft_model:  # float32 interventions on either base, as trained
+                assert torch.equal(actual, expected), dtype
+            else:  # pyreft's: the saved float32 learned source rounded to bf16 and computed there (~1.5 % measured;
+                # the interventions move these logits by ~80 % of their largest)
+                assert (actual - expected).abs().max() <= 0.05 * expected.abs().max()
 
 
 def test_pyreft_example_command_line_runs(pyreft_example_run):
