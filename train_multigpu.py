@@ -12,7 +12,7 @@ whole global batch. So N processes compute the gradient one process computes, an
 
 import os
 
-from alpaca.args import exit_on_usage_error, parse_args
+from alpaca.args import exit_on_usage_error, parse_args, wait_for_launcher
 from alpaca.errors import UsageError
 
 PROG = "train_multigpu.py"
@@ -54,7 +54,7 @@ def train(args) -> None:
         if processes > gpus:
             reports = local_rank == 0 or "LOCAL_WORLD_SIZE" not in os.environ
             if not reports:
-                time.sleep(30)
+                wait_for_launcher()
             sys.exit(f"{PROG}: error: {processes} processes on this node but {gpus} GPU(s) visible; launch with "
                      f"--nproc_per_node {gpus}" if reports else 2)
         device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0

@@ -22,6 +22,7 @@ from alpaca.workarounds import (
     register_layout,
     scatter_on_device,
     set_train_mode,
+    trainable_dtype,
 )
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -196,7 +197,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
             "layer": layer,
             "component": "block_output",
             "low_rank_dimension": rank,
-            "intervention": new_intervention(intervention_class, hidden_size, rank, dropout),
+            "intervention": new_intervention(intervention_class, hidden_size, rank, model.dtype, dropout),
         }
         for layer in layer_ids
     ]
@@ -219,12 +220,13 @@ def import_intervention(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def new_intervention(intervention_class, hidden_size: int, rank: int, dropout: float = 0.0, add_bias: bool = True):
-    """One pyreft intervention, every weight in float32 whatever the base's dtype (pyreft's default is bf16 for
-    the learned source, which loses small updates): `compute_in_float32` casts at its boundary. `add_bias` is
-    the NoReFT family's projection bias, ignored by the others."""
-    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=torch.float32,
-                              add_bias=add_bias)
+def new_intervention(intervention_class, hidden_size: int, rank: int, base_dtype: torch.dtype, dropout: float = 0.0,
+                     add_bias: bool = True):
+    """One pyreft intervention, every weight in float32 (`trainable_dtype`) whatever the base's dtype (pyreft's
+    default is bf16 for the learned source, which loses small updates): `compute_in_float32` casts at its
+    boundary. `add_bias` is the NoReFT family's projection bias, ignored by the others."""
+    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout,
+                              dtype=trainable_dtype(base_dtype), add_bias=add_bias)
 
 
 def describe(reft_model, num_examples: int, device) -> str:

@@ -81,7 +81,7 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     pyreft = import_pyreft()
     representations = [
         {"layer": layer, "component": component, "low_rank_dimension": rank,
-         "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank,
+         "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank, base_model.dtype,
                                           add_bias="proj_layer.bias" in states.get(f"intkey_{key}.bin", {}))}
         for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
     ]

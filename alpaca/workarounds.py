@@ -70,6 +70,12 @@ def index_tensors_on(reft_model, device: torch.device) -> None:
     reft_model.get_device = lambda: device
 
 
+def trainable_dtype(base_dtype: torch.dtype) -> torch.dtype:
+    """The interventions' dtype: float32 on a bf16 or fp16 base (an AdamW update survives), the base's own where
+    it is wider (float64)."""
+    return torch.promote_types(base_dtype, torch.float32)
+
+
 def compute_in_float32(reft_model) -> None:
     """pyreft 0.1.0 builds each intervention's learned source (and NoReFT's projection) in the dtype it is given,
     bfloat16 by default, and its forwards need the hidden state in that dtype (`learned_source(base)`). A bf16
@@ -77,10 +83,11 @@ def compute_in_float32(reft_model) -> None:
     entries of each such weight (docs/exactness.md). So interventions are built in float32
     (alpaca.model.new_intervention) and computed in float32: the hidden state goes in cast up, the output comes
     back in the base's dtype, which pyvene writes into the base's hidden state. On a float32 base both casts
-    return their input."""
+    return their input (on a float64 one, everything is float64: `trainable_dtype`)."""
     dtype = reft_model.model.dtype
+    compute_dtype = trainable_dtype(dtype)
     for intervention in {id(module): module for module in reft_model.interventions.values()}.values():
-        intervention.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+        intervention.register_forward_pre_hook(lambda module, args: (args[0].to(compute_dtype), *args[1:]))
         intervention.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 

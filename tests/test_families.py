@@ -83,7 +83,8 @@ def test_each_family_trains_loads_back_and_generates(family, family_model, tmp_p
 
 def test_pyreft_loads_a_family_it_does_not_know_once_its_layout_is_registered(family_model, tmp_path, monkeypatch):
     """pyreft's `ReftModel.load` builds the model through pyvene, whose tables lack Qwen3: it fails until
-    `register_layout(base)` has run (as training runs it); then it gives the saved model's outputs."""
+    `register_layout(base)` has run (as training runs it); then it gives the saved model's outputs, up to the
+    rounding of the float32 learned source to bf16 that pyreft's loader makes."""
     import pyvene
 
     pyreft = import_pyreft()
@@ -103,7 +104,7 @@ def test_pyreft_loads_a_family_it_does_not_know_once_its_layout_is_registered(fa
     with torch.no_grad():
         expected = trained({"input_ids": ids}, unit_locations=locations)[1].logits
         actual = loaded({"input_ids": ids}, unit_locations=locations)[1].logits
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert (actual - expected).abs().max() <= 0.05 * expected.abs().max()
 
 
 @pytest.mark.parametrize("model_type", PYVENE_FAMILIES)

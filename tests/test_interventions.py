@@ -82,13 +82,14 @@ def test_each_intervention_trains_and_reloads_with_the_same_outputs(tiny_model, 
 @pytest.mark.parametrize("intervention", ["loreft", "noreft"])
 def test_a_bf16_run_at_a_small_learning_rate_changes_every_learned_entry(tiny_model, tmp_path, intervention):
     """train.py on a bf16 base for 15 steps at a constant 2e-5 (the learning rate of pyreft's command line)
-    against the same run at 0: every entry of every learned tensor of every intervention differs. (With the
+    against the same run at 1e-30 (0 is refused; AdamW's steps of ~1e-30 move no float32 entry): every entry
+    of every learned tensor of every intervention differs. (With the
     learned source in bf16, as pyreft builds it, 3-8 % of its weight's entries and 0-25 % of its bias's moved:
     AdamW's steps of ~2e-5 fall below half a bf16 spacing and round away.) LoReFT: the learned source and the
     rotation; NoReFT: the learned source and the projection, each with its bias."""
     data = write_records(tmp_path / "data.json", 12)
     weights = {}
-    for learning_rate in ("2e-5", "0"):
+    for learning_rate in ("2e-5", "1e-30"):
         output = tmp_path / learning_rate
         status, _, stderr = run_in_process("train.py", [
             "--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", output, "--dtype", "bfloat16",
@@ -98,8 +99,8 @@ def test_a_bf16_run_at_a_small_learning_rate_changes_every_learned_entry(tiny_mo
         assert status == 0, stderr[-3000:]
         weights[learning_rate] = {key: tensor for key, tensor in intervention_weights(output).items()
                                   if tensor.is_floating_point()}
-    assert len(weights["0"]) == 4 * (3 if intervention == "loreft" else 4)  # 4 interventions: f and l on 2 layers
-    for key, untrained in weights["0"].items():
+    assert len(weights["1e-30"]) == 4 * (3 if intervention == "loreft" else 4)  # f and l on 2 layers
+    for key, untrained in weights["1e-30"].items():
         assert weights["2e-5"][key].dtype == torch.float32, key
         assert (weights["2e-5"][key] != untrained).all(), (key, (weights["2e-5"][key] == untrained).float().mean())
 
