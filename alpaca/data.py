@@ -300,6 +300,13 @@ class Collator:
     num_layers: int
     pad_to_multiple_of: int = 1
 
+    def example_labels(self, example: dict[str, Any], ids):
+        """The tokens the loss is on: every token after the prompt (the output and eos). The loss's window and
+        the step's label count are derived from these, so this is the one place to change them."""
+        labels = ids.clone()
+        labels[: example["prompt_length"]] = IGNORE_INDEX
+        return labels
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
@@ -312,7 +319,10 @@ class Collator:
             ids = torch.tensor(example["input_ids"], dtype=torch.long)
             input_ids[row, : len(ids)] = ids
             attention_mask[row, : len(ids)] = 1
-            labels[row, example["prompt_length"] : len(ids)] = ids[example["prompt_length"] :]
+            labels[row, : len(ids)] = self.example_labels(example, ids)
+        # Position 0 predicts nothing, so a label there is never counted.
+        labels[:, 0] = IGNORE_INDEX
+        labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         # Every example has at least one output token after its prompt, so the last column is never a
         # prompt position; its hidden state only feeds its own logits, which predict nothing (causal
         # attention, shifted labels). Intervening there is a no-op: a safe padding position.
@@ -327,9 +337,11 @@ class Collator:
             # As tensors, built here (in a DataLoader worker) rather than by pyvene from Python lists in
             # every hook of every forward: see `token_losses`.
             "intervention_locations": [torch.tensor(window) for window in locations],
-            "min_prompt_length": min(example["prompt_length"] for example in examples),
-            # Counted here, on the host, so that the training step never reads them back from the device.
-            "num_label_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+            # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
+            # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
+            # host, so that the training step never reads them back from the device.
+            "first_label_position": int(labelled_columns[0]) if len(labelled_columns) else width,
+            "num_label_tokens": int((labels != IGNORE_INDEX).sum()),
             "num_tokens": sum(len(example["input_ids"]) for example in examples),
         }
 

@@ -19,12 +19,13 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     SDPA runs plain causal attention: no mask to build, and flash attention is eligible.
 
     Only positions that predict a label need the vocabulary projection: `logits_to_keep` skips the
-    prompt prefix shared by the whole micro-batch (the LM head is ~a fifth of a small model's FLOPs).
+    columns before the micro-batch's first label, found by the collator in the labels themselves (the LM
+    head is ~a fifth of a small model's FLOPs).
     """
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
-    # Position t predicts label t + 1; the first label sits at the shortest prompt's length.
-    first_predicting = batch["min_prompt_length"] - 1
+    # Position t predicts label t + 1.
+    first_predicting = batch["first_label_position"] - 1
     keep = input_ids.shape[1] - first_predicting
     inputs = {
         "input_ids": input_ids,
