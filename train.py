@@ -201,7 +201,7 @@ def load_data_and_model(args, dtype, position: tuple[int, int], device):
         enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention)
+                                  args.intervention, args.component)
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
     fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to

@@ -289,7 +289,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
         enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention)
+                                  args.intervention, args.component)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
