@@ -269,7 +269,8 @@ def enable_gradient_checkpointing(model) -> None:
     """Non-reentrant activation checkpointing of each decoder layer (torch's composable `checkpoint`).
     Unlike HF's `gradient_checkpointing_enable`, it does not need the frozen base in train mode, where
     the base's dropout would switch on. pyvene's interventions act on the layers' outputs, outside the
-    recomputed region: the gradients are identical with and without it."""
+    recomputed region (--component block_output, the only one args.validate lets through): the gradients are
+    identical with and without it."""
     from torch.distributed._composable import checkpoint
 
     for layer in decoder_layers(model):
