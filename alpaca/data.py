@@ -330,18 +330,25 @@ class Collator:
             [example["prompt_length"] for example in examples], self.position, self.share_weights,
             self.num_layers, pad_position=width - 1,
         )
+        locations = [torch.tensor(window) for window in locations]
+        # True at the real positions, False at the padding ones (the last column is never a real one): a loss
+        # term over the intervened positions sums under this mask, or it also sums over padding, which depends
+        # on how the step is cut into micro-batches and ranks.
+        intervention_mask = [window != width - 1 for window in locations]
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
             # As tensors, built here (in a DataLoader worker) rather than by pyvene from Python lists in
             # every hook of every forward: see `token_losses`.
-            "intervention_locations": [torch.tensor(window) for window in locations],
+            "intervention_locations": locations,
+            "intervention_mask": intervention_mask,
             # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
             # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
             # host, so that the training step never reads them back from the device.
             "first_label_position": int(labelled_columns[0]) if len(labelled_columns) else width,
             "num_label_tokens": int((labels != IGNORE_INDEX).sum()),
+            "num_intervened_positions": int(sum(mask.sum() for mask in intervention_mask)),
             "num_tokens": sum(len(example["input_ids"]) for example in examples),
         }
 

@@ -179,3 +179,33 @@ def test_scatter_on_device_is_pyvenes_write(setup):
     assert torch.equal(ours_loss, pyvenes_loss)
     for expected, actual in zip(pyvenes, ours):
         assert torch.equal(actual, expected)
+
+
+def test_a_penalty_over_the_intervened_positions_needs_their_mask(setup):
+    """A loss term over the intervened positions (here the squared norm of the last intervened layer's output
+    there), summed per micro-batch on two 'ranks' as DDP sums gradients: under `intervention_mask` the same
+    gradient as one process's whole batch; summed over the padded positions too, another one (how many there
+    are, and where, depends on how the step is cut)."""
+    reft_model, dataset, collate = setup
+    examples = [dict(dataset[i]) for i in range(4)]
+    examples[1]["prompt_length"] = examples[3]["prompt_length"] = 3  # windows f2+l2 do not fit: padded
+    whole, shards = collate(examples), [collate(examples[:2]), collate(examples[2:])]
+    assert not all(mask.all() for mask in whole["intervention_mask"])
+    assert whole["num_intervened_positions"] == sum(shard["num_intervened_positions"] for shard in shards)
+
+    def penalty(batch, masked):
+        locations = batch["intervention_locations"]
+        _, outputs = reft_model({"input_ids": batch["input_ids"], "output_hidden_states": True, "use_cache": False},
+                                unit_locations={"sources->base": (None, locations)})
+        hidden = outputs.hidden_states[3]  # the output of layer 2, the last intervened one
+        rows = torch.arange(hidden.shape[0])[:, None]
+        return sum((hidden[rows, window].pow(2).sum(-1) * (mask if masked else 1)).sum()
+                   for window, mask in zip(locations, batch["intervention_mask"]))
+
+    parameters = [p for _, p in intervention_parameters(reft_model)]
+    for masked in (True, False):
+        one_process = torch.autograd.grad(penalty(whole, masked), parameters)
+        two_ranks = [sum(grads) for grads in zip(*(torch.autograd.grad(penalty(shard, masked), parameters)
+                                                   for shard in shards))]
+        deviation = max(((a - b).norm() / b.norm()).item() for a, b in zip(two_ranks, one_process))
+        assert deviation < 1e-12 if masked else deviation > 1e-3, (masked, deviation)
