@@ -66,7 +66,7 @@ def run(args, device, started: float) -> None:
         save_output,
         trainer_state,
     )
-    from alpaca.data import eval_batches, step_loader
+    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import (
@@ -125,7 +125,9 @@ def run(args, device, started: float) -> None:
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
             end_of_epoch = index == len(sampler.global_batches) - 1
-            step_label_tokens = sum(batch["num_label_tokens"] for batch in micro_batches)
+            counts = step_counts(micro_batches)
+            give_step_counts(micro_batches, counts)
+            step_label_tokens = counts[0]
             if stop.received:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
                 path = checkpoint(epoch, next_batch=index)
                 metrics.close()

@@ -88,7 +88,7 @@ def run(args, device, backend: str, started: float) -> None:
         save_output,
         trainer_state,
     )
-    from alpaca.data import eval_batches, step_loader
+    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
     from alpaca.distributed import main_rank_result, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate
@@ -168,12 +168,13 @@ def run(args, device, backend: str, started: float) -> None:
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
             end_of_epoch = index == len(sampler.global_batches) - 1
-            # One all-reduce gives the step's label tokens (counted on the host by the collator) and whether
-            # any rank was asked to stop.
-            agreed = torch.tensor([sum(batch["num_label_tokens"] for batch in micro_batches),
-                                   stop.received is not None])
+            # One all-reduce gives the step's counts (counted on the host by the collator) and whether any rank
+            # was asked to stop.
+            agreed = torch.tensor([*step_counts(micro_batches), stop.received is not None])
             dist.all_reduce(agreed, group=host_group)
-            step_label_tokens, stopping = agreed.tolist()
+            *counts, stopping = agreed.tolist()
+            give_step_counts([*micro_batches, placeholder], counts)
+            step_label_tokens = counts[0]
             if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
                 path = checkpoint(epoch, next_batch=index)
                 if is_main:

@@ -353,6 +353,22 @@ class Collator:
         }
 
 
+# What the collator counts in each micro-batch, summed over an optimizer step's micro-batches on every rank
+# into the step's counts (`step_counts`), which each micro-batch then carries as batch["step_counts"].
+STEP_COUNTS = ("num_label_tokens", "num_intervened_positions")
+
+
+def step_counts(micro_batches: list[dict[str, Any]]) -> list[int]:
+    """This process's part of the step's counts, in STEP_COUNTS' order: summed over ranks, the step's."""
+    return [sum(batch[key] for batch in micro_batches) for key in STEP_COUNTS]
+
+
+def give_step_counts(micro_batches: list[dict[str, Any]], counts: list[int]) -> None:
+    """Each micro-batch gets the whole step's counts: what a loss term normalizes by to stay exact on N ranks."""
+    for batch in micro_batches:
+        batch["step_counts"] = dict(zip(STEP_COUNTS, counts))
+
+
 @dataclass
 class StepCollator:
     """A DataLoader's collate_fn for `GlobalBatchSampler`: this rank's share of one global batch (its
