@@ -101,6 +101,12 @@ def _read_local_records(path: str, flag: str) -> list[dict]:
 def check_records(records: list[dict], source: str) -> None:
     """Every record needs string `instruction` and `output`; `input` is optional."""
     for index, record in enumerate(records):
+        wrong_type = [key for key in ("instruction", "input", "output") if isinstance(record, dict)
+                      and record.get(key) is not None and not isinstance(record[key], str)]
+        if wrong_type:
+            key = wrong_type[0]
+            raise UsageError(f"record {index} of {source} has {key!r}, but as a {type(record[key]).__name__}, not a "
+                             f"string; map a string field to {key!r} with --field_map, or convert the records")
         ok = isinstance(record, dict) and all(
             isinstance(record.get(key), str) for key in ("instruction", "output")
         ) and isinstance(record.get("input", ""), (str, type(None)))

@@ -40,6 +40,15 @@ def test_field_map_renames_them(question_answer_data):
     assert dataset["output"] == [r["output"] for r in records] and dataset["input"] == [""] * 4
 
 
+def test_a_field_of_the_wrong_type_is_named_as_such(tmp_path):
+    """A conversation mapped onto 'instruction' is there, as a list: the message says so."""
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([{"messages": [{"role": "user", "content": "Hi"}], "output": "Hello"}]))
+    with pytest.raises(UsageError, match=r"record 0 of .* has 'instruction', but as a list, not a string; map a "
+                                         r"string field to 'instruction' with --field_map"):
+        load_records(str(path), field_map={"messages": "instruction"})
+
+
 def test_a_malformed_field_map_is_one_line(question_answer_data, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args("train.py", ["--field_map", "question=prompt"])
