@@ -36,6 +36,14 @@ INTERVENTIONS = {
     "consreft": "pyreft.interventions.ConsreftIntervention",  # h + R^T(b - Rh)
 }
 
+# --component: where in a decoder layer the interventions act, by pyvene's (and pyreft's) names; each is
+# hidden_size wide. The loader reads it back from the output's config.json.
+COMPONENTS = {
+    "block_output": "the layer's output (the residual stream)",
+    "mlp_output": "the layer's MLP output, before it is added to the residual stream",
+    "attention_output": "the layer's self-attention output, before it is added to the residual stream",
+}
+
 _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
 
 
@@ -177,6 +185,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--dropout", type=float, default=0.0, help="dropout on the intervention output")
     flag("--intervention", default="loreft", choices=list(INTERVENTIONS),
          help="the pyreft intervention class (loreft: pyreft.LoreftIntervention, ...)")
+    flag("--component", default="block_output", choices=list(COMPONENTS),
+         help="where in each layer the interventions act: " + "; ".join(f"{k}: {v}" for k, v in COMPONENTS.items()))
     flag("--gradient_checkpointing", type=str2bool, nargs="?", const=True, default=False,
          help="recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)")
 
@@ -291,6 +301,10 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)  # None: not given (or not a flag of this script)
         if value is not None and not (math.isfinite(value) and meets(value)):
             raise UsageError(f"--{name} must be {meaning}, got {value}")
+    if args.gradient_checkpointing and args.component != "block_output":
+        # pyvene's hooks on a module inside the layer would not run again when the layer is recomputed.
+        raise UsageError(f"--gradient_checkpointing recomputes whole decoder layers, inside which --component "
+                         f"{args.component} is hooked; drop one of them or use --component block_output")
     if args.share_weights and not all(parse_position(args.position)) and is_main_process():
         print(f"warning: --share_weights shares one intervention between the f and l windows of a layer; "
               f"--position {args.position} has one window, so it changes nothing", file=sys.stderr)

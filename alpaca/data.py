@@ -101,6 +101,12 @@ def _read_local_records(path: str, flag: str) -> list[dict]:
 def check_records(records: list[dict], source: str) -> None:
     """Every record needs string `instruction` and `output`; `input` is optional."""
     for index, record in enumerate(records):
+        wrong_type = [key for key in ("instruction", "input", "output") if isinstance(record, dict)
+                      and record.get(key) is not None and not isinstance(record[key], str)]
+        if wrong_type:
+            key = wrong_type[0]
+            raise UsageError(f"record {index} of {source} has {key!r}, but as a {type(record[key]).__name__}, not a "
+                             f"string; map a string field to {key!r} with --field_map, or convert the records")
         ok = isinstance(record, dict) and all(
             isinstance(record.get(key), str) for key in ("instruction", "output")
         ) and isinstance(record.get("input", ""), (str, type(None)))
@@ -300,6 +306,13 @@ class Collator:
     num_layers: int
     pad_to_multiple_of: int = 1
 
+    def example_labels(self, example: dict[str, Any], ids):
+        """The tokens the loss is on: every token after the prompt (the output and eos). The loss's window and
+        the step's label count are derived from these, so this is the one place to change them."""
+        labels = ids.clone()
+        labels[: example["prompt_length"]] = IGNORE_INDEX
+        return labels
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
@@ -312,7 +325,10 @@ class Collator:
             ids = torch.tensor(example["input_ids"], dtype=torch.long)
             input_ids[row, : len(ids)] = ids
             attention_mask[row, : len(ids)] = 1
-            labels[row, example["prompt_length"] : len(ids)] = ids[example["prompt_length"] :]
+            labels[row, : len(ids)] = self.example_labels(example, ids)
+        # Position 0 predicts nothing, so a label there is never counted.
+        labels[:, 0] = IGNORE_INDEX
+        labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         # Every example has at least one output token after its prompt, so the last column is never a
         # prompt position; its hidden state only feeds its own logits, which predict nothing (causal
         # attention, shifted labels). Intervening there is a no-op: a safe padding position.
@@ -320,18 +336,43 @@ class Collator:
             [example["prompt_length"] for example in examples], self.position, self.share_weights,
             self.num_layers, pad_position=width - 1,
         )
+        locations = [torch.tensor(window) for window in locations]
+        # True at the real positions, False at the padding ones (the last column is never a real one): a loss
+        # term over the intervened positions sums under this mask, or it also sums over padding, which depends
+        # on how the step is cut into micro-batches and ranks.
+        intervention_mask = [window != width - 1 for window in locations]
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
             # As tensors, built here (in a DataLoader worker) rather than by pyvene from Python lists in
             # every hook of every forward: see `token_losses`.
-            "intervention_locations": [torch.tensor(window) for window in locations],
-            "min_prompt_length": min(example["prompt_length"] for example in examples),
-            # Counted here, on the host, so that the training step never reads them back from the device.
-            "num_label_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+            "intervention_locations": locations,
+            "intervention_mask": intervention_mask,
+            # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
+            # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
+            # host, so that the training step never reads them back from the device.
+            "first_label_position": int(labelled_columns[0]) if len(labelled_columns) else width,
+            "num_label_tokens": int((labels != IGNORE_INDEX).sum()),
+            "num_intervened_positions": int(sum(mask.sum() for mask in intervention_mask)),
             "num_tokens": sum(len(example["input_ids"]) for example in examples),
         }
+
+
+# What the collator counts in each micro-batch, summed over an optimizer step's micro-batches on every rank
+# into the step's counts (`step_counts`), which each micro-batch then carries as batch["step_counts"].
+STEP_COUNTS = ("num_label_tokens", "num_intervened_positions")
+
+
+def step_counts(micro_batches: list[dict[str, Any]]) -> list[int]:
+    """This process's part of the step's counts, in STEP_COUNTS' order: summed over ranks, the step's."""
+    return [sum(batch[key] for batch in micro_batches) for key in STEP_COUNTS]
+
+
+def give_step_counts(micro_batches: list[dict[str, Any]], counts: list[int]) -> None:
+    """Each micro-batch gets the whole step's counts: what a loss term normalizes by to stay exact on N ranks."""
+    for batch in micro_batches:
+        batch["step_counts"] = dict(zip(STEP_COUNTS, counts))
 
 
 @dataclass
