@@ -505,7 +505,10 @@ def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas
     return DataLoader(dataset, batch_sampler=sampler,
                       collate_fn=StepCollator(collate, args.per_device_train_batch_size),
                       num_workers=args.dataloader_num_workers, pin_memory=pin_memory,
-                      persistent_workers=args.dataloader_num_workers > 0, worker_init_fn=dataloader_worker_init,
+                      # Workers end with each epoch's iterator. A persistent iterator lives as long as the
+                      # DataLoader; left to the garbage collector (a reference cycle), it finds its workers' queues
+                      # already closed, and the workers, which ignore SIGTERM, then hang the process at exit.
+                      persistent_workers=False, worker_init_fn=dataloader_worker_init,
                       # Each epoch's iterator draws a seed for its workers: from this generator, not from the
                       # global RNG, whose stream (dropout) a resumed run must continue exactly.
                       generator=Generator())
