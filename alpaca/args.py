@@ -59,6 +59,9 @@ FSDP_WORDS = {"full_shard", "shard_grad_op", "hybrid_shard", "auto_wrap", "offlo
 
 
 ALPACA_FIELDS = ("instruction", "input", "output")
+# A conversation record: {"messages": [{"role": ..., "content": ...}, ...]}, the chat datasets' (and TRL's) format.
+CONVERSATION_FIELD = "messages"
+RECORD_FIELDS = (*ALPACA_FIELDS, CONVERSATION_FIELD)
 
 
 def parse_field_map(value: str) -> dict[str, str]:
@@ -66,8 +69,8 @@ def parse_field_map(value: str) -> dict[str, str]:
     mapping = {}
     for pair in filter(None, value.split(",")):
         source, _, target = pair.partition("=")
-        if not source.strip() or target.strip() not in ALPACA_FIELDS:
-            raise argparse.ArgumentTypeError(f"expected FIELD=TARGET pairs, TARGET one of {', '.join(ALPACA_FIELDS)} "
+        if not source.strip() or target.strip() not in RECORD_FIELDS:
+            raise argparse.ArgumentTypeError(f"expected FIELD=TARGET pairs, TARGET one of {', '.join(RECORD_FIELDS)} "
                                              f"(e.g. question=instruction,answer=output), got {value!r}")
         mapping[source.strip()] = target.strip()
     return mapping
@@ -162,9 +165,10 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="instead, hold out this fraction of --data_path (seeded) as evaluation data, e.g. 0.05")
     flag("--prompt_template", default="alpaca", choices=["alpaca", "chat"],
          help="alpaca: the Stanford Alpaca prompt; chat: the tokenizer's chat template, instruction (+ input) as "
-              "the user turn and output as the assistant turn")
+              "the user turn and output as the assistant turn, or a record's 'messages' (conversations need it)")
     flag("--field_map", type=parse_field_map, default={},
-         help="rename record fields, e.g. 'question=instruction,answer=output' for data with other field names")
+         help="rename record fields, e.g. 'question=instruction,answer=output' for data with other field names, "
+              "'conversations=messages' for conversations under another name")
     flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,
          help="batch examples of similar length together (less padding); still seeded and exact across "
               "process counts. 'false' for uniformly random batches")
