@@ -97,10 +97,11 @@ def guide_sections() -> list[tuple[str, str, list[str]]]:
 
 
 @pytest.mark.parametrize("title,diff,commands", guide_sections(), ids=[s[0] for s in guide_sections()])
-def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, tiny_model, question_answer_data,
-                                                         tmp_path):
+def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, tiny_model, tiny_chat_model,
+                                                         question_answer_data, tmp_path):
     """The documented diff applies to a fresh copy of the repository, and its commands run there (two steps on
-    the tiny model); each torchrun command trains the model of the python command before it."""
+    the tiny model, with its chat template for --prompt_template chat; on the question-answer data unless the
+    command names data shipped in examples/); each torchrun command trains the model of the python command before it."""
     copy = tmp_path / "copy"
     ignored = shutil.ignore_patterns(".git", ".venv", "__pycache__", "output", "out_*", "wandb")
     shutil.copytree(REPO, copy, ignore=ignored)
@@ -112,10 +113,13 @@ def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, 
     for command in commands:
         words = shlex.split(command)
         assert words[0] in ("python", "torchrun"), command
+        model = tiny_chat_model if "--prompt_template chat" in command else tiny_model
+        shipped_data = "--data_path" in words and (copy / words[words.index("--data_path") + 1]).exists()
+        data_flags = [] if shipped_data else ["--field_map", "question=instruction,answer=output", "--data_path",
+                                              str(data)]
         extra = ["--max_new_tokens", "4", "--instruction", "Name three primary colors."] if "generate.py" in command \
-            else ["--model_name_or_path", str(tiny_model), "--layers", "1;2", "--max_steps", "2", "--logging_steps",
-                  "1", "--num_sample_answers", "0", "--field_map", "question=instruction,answer=output",
-                  "--data_path", str(data)]
+            else ["--model_name_or_path", str(model), "--layers", "1;2", "--max_steps", "2", "--logging_steps", "1",
+                  "--num_sample_answers", "0", *data_flags]
         launcher = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] \
             if words[0] == "torchrun" else None
         # One thread, as torchrun gives each of its workers: the kernels then sum in the same order, and what the

@@ -81,12 +81,16 @@ def test_malformed_conversations_are_one_line(records, message, tmp_path):
         load_records(write_jsonl(tmp_path / "chat.jsonl", records))
 
 
-def test_conversations_need_the_chat_template_and_another_field_name_is_mapped(chat_tokenizer, tmp_path):
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"conversation": CONVERSATION}])
-    records = load_records(path, field_map={"conversation": "messages"})
-    assert records.column_names == ["messages"]
+@pytest.mark.parametrize("where", ["file", "dataset directory"])
+def test_conversations_need_the_chat_template_and_another_field_name_is_mapped(where, chat_tokenizer, tmp_path):
+    """From a file, or through datasets.load_dataset as a hub dataset is read (a local directory here)."""
+    (tmp_path / "data").mkdir()
+    path = write_jsonl(tmp_path / "data" / "chat.jsonl", [{"conversation": CONVERSATION}])
+    records = load_records(path if where == "file" else str(tmp_path / "data"), field_map={"conversation": "messages"})
+    assert records["messages"] == [CONVERSATION]
     with pytest.raises(UsageError, match="add --prompt_template chat"):
         tokenize(records, chat_tokenizer, 512, "alpaca")
+    assert tokenize(records, chat_tokenizer, 512, "chat")[0]["label_spans"] != []
 
 
 def test_conversations_train_the_same_model_on_1_and_2_processes_and_are_continued(tiny_chat_model, tmp_path):
