@@ -66,7 +66,7 @@ def run(args, device, started: float) -> None:
         save_output,
         trainer_state,
     )
-    from alpaca.data import eval_batches, step_loader
+    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import (
@@ -125,7 +125,9 @@ def run(args, device, started: float) -> None:
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
             end_of_epoch = index == len(sampler.global_batches) - 1
-            step_label_tokens = sum(batch["num_label_tokens"] for batch in micro_batches)
+            counts = step_counts(micro_batches)
+            give_step_counts(micro_batches, counts)
+            step_label_tokens = counts[0]
             if stop.received:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
                 path = checkpoint(epoch, next_batch=index)
                 metrics.close()
@@ -201,7 +203,7 @@ def load_data_and_model(args, dtype, position: tuple[int, int], device):
         enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention)
+                                  args.intervention, args.component)
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
     fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to

@@ -88,7 +88,7 @@ def run(args, device, backend: str, started: float) -> None:
         save_output,
         trainer_state,
     )
-    from alpaca.data import eval_batches, step_loader
+    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
     from alpaca.distributed import main_rank_result, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate
@@ -168,12 +168,13 @@ def run(args, device, backend: str, started: float) -> None:
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
             end_of_epoch = index == len(sampler.global_batches) - 1
-            # One all-reduce gives the step's label tokens (counted on the host by the collator) and whether
-            # any rank was asked to stop.
-            agreed = torch.tensor([sum(batch["num_label_tokens"] for batch in micro_batches),
-                                   stop.received is not None])
+            # One all-reduce gives the step's counts (counted on the host by the collator) and whether any rank
+            # was asked to stop.
+            agreed = torch.tensor([*step_counts(micro_batches), stop.received is not None])
             dist.all_reduce(agreed, group=host_group)
-            step_label_tokens, stopping = agreed.tolist()
+            *counts, stopping = agreed.tolist()
+            give_step_counts([*micro_batches, placeholder], counts)
+            step_label_tokens = counts[0]
             if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
                 path = checkpoint(epoch, next_batch=index)
                 if is_main:
@@ -289,7 +290,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
         enable_gradient_checkpointing(model)
     torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention)
+                                  args.intervention, args.component)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)

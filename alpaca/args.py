@@ -36,6 +36,14 @@ INTERVENTIONS = {
     "consreft": "pyreft.interventions.ConsreftIntervention",  # h + R^T(b - Rh)
 }
 
+# --component: where in a decoder layer the interventions act, by pyvene's (and pyreft's) names; each is
+# hidden_size wide. The loader reads it back from the output's config.json.
+COMPONENTS = {
+    "block_output": "the layer's output (the residual stream)",
+    "mlp_output": "the layer's MLP output, before it is added to the residual stream",
+    "attention_output": "the layer's self-attention output, before it is added to the residual stream",
+}
+
 _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
 
 
@@ -51,6 +59,9 @@ FSDP_WORDS = {"full_shard", "shard_grad_op", "hybrid_shard", "auto_wrap", "offlo
 
 
 ALPACA_FIELDS = ("instruction", "input", "output")
+# A conversation record: {"messages": [{"role": ..., "content": ...}, ...]}, the chat datasets' (and TRL's) format.
+CONVERSATION_FIELD = "messages"
+RECORD_FIELDS = (*ALPACA_FIELDS, CONVERSATION_FIELD)
 
 
 def parse_field_map(value: str) -> dict[str, str]:
@@ -58,8 +69,8 @@ def parse_field_map(value: str) -> dict[str, str]:
     mapping = {}
     for pair in filter(None, value.split(",")):
         source, _, target = pair.partition("=")
-        if not source.strip() or target.strip() not in ALPACA_FIELDS:
-            raise argparse.ArgumentTypeError(f"expected FIELD=TARGET pairs, TARGET one of {', '.join(ALPACA_FIELDS)} "
+        if not source.strip() or target.strip() not in RECORD_FIELDS:
+            raise argparse.ArgumentTypeError(f"expected FIELD=TARGET pairs, TARGET one of {', '.join(RECORD_FIELDS)} "
                                              f"(e.g. question=instruction,answer=output), got {value!r}")
         mapping[source.strip()] = target.strip()
     return mapping
@@ -154,9 +165,10 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="instead, hold out this fraction of --data_path (seeded) as evaluation data, e.g. 0.05")
     flag("--prompt_template", default="alpaca", choices=["alpaca", "chat"],
          help="alpaca: the Stanford Alpaca prompt; chat: the tokenizer's chat template, instruction (+ input) as "
-              "the user turn and output as the assistant turn")
+              "the user turn and output as the assistant turn, or a record's 'messages' (conversations need it)")
     flag("--field_map", type=parse_field_map, default={},
-         help="rename record fields, e.g. 'question=instruction,answer=output' for data with other field names")
+         help="rename record fields, e.g. 'question=instruction,answer=output' for data with other field names, "
+              "'conversations=messages' for conversations under another name")
     flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,
          help="batch examples of similar length together (less padding); still seeded and exact across "
               "process counts. 'false' for uniformly random batches")
@@ -177,6 +189,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--dropout", type=float, default=0.0, help="dropout on the intervention output")
     flag("--intervention", default="loreft", choices=list(INTERVENTIONS),
          help="the pyreft intervention class (loreft: pyreft.LoreftIntervention, ...)")
+    flag("--component", default="block_output", choices=list(COMPONENTS),
+         help="where in each layer the interventions act: " + "; ".join(f"{k}: {v}" for k, v in COMPONENTS.items()))
     flag("--gradient_checkpointing", type=str2bool, nargs="?", const=True, default=False,
          help="recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)")
 
@@ -291,6 +305,10 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)  # None: not given (or not a flag of this script)
         if value is not None and not (math.isfinite(value) and meets(value)):
             raise UsageError(f"--{name} must be {meaning}, got {value}")
+    if args.gradient_checkpointing and args.component != "block_output":
+        # pyvene's hooks on a module inside the layer would not run again when the layer is recomputed.
+        raise UsageError(f"--gradient_checkpointing recomputes whole decoder layers, inside which --component "
+                         f"{args.component} is hooked; drop one of them or use --component block_output")
     if args.share_weights and not all(parse_position(args.position)) and is_main_process():
         print(f"warning: --share_weights shares one intervention between the f and l windows of a layer; "
               f"--position {args.position} has one window, so it changes nothing", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Alpaca data: records, prompts, tokenization, intervention positions, the global batch plan, collation."""
+"""Alpaca data: records (Alpaca's or conversations), prompts, tokenization, intervention positions, the global batch
+plan, collation."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from alpaca.args import ALPACA_FIELDS, cache_root
+from alpaca.args import CONVERSATION_FIELD, RECORD_FIELDS, cache_root
 from alpaca.errors import UsageError
 from alpaca.manifest import cached_directory
 
@@ -44,25 +45,80 @@ def user_turn(instruction: str, input: str | None = "") -> dict[str, str]:
     return {"role": "user", "content": f"{instruction}\n\n{input}" if input else instruction}
 
 
-def render_prompt(tokenizer, instruction: str, input: str | None, prompt_template: str) -> str:
-    """The text before the answer: Alpaca's template, or the tokenizer's chat template up to the assistant turn."""
-    if prompt_template == "alpaca":
-        return format_prompt(instruction, input)
-    return tokenizer.apply_chat_template([user_turn(instruction, input)], tokenize=False, add_generation_prompt=True)
+def record_conversation(instruction: str, input: str | None, output: str | None = None) -> list[dict[str, str]]:
+    """An Alpaca record as a conversation (--prompt_template chat): its user turn, then the output as the
+    assistant's turn (none to generate)."""
+    return [user_turn(instruction, input)] + ([{"role": "assistant", "content": output}] if output is not None else [])
 
 
-def render_answer(tokenizer, instruction: str, input: str | None, output: str, prompt: str,
-                  prompt_template: str) -> str:
-    """The text after `prompt`: the output, or the rest of the chat rendered with the output as the assistant turn."""
-    if prompt_template == "alpaca":
-        return output
-    conversation = [user_turn(instruction, input), {"role": "assistant", "content": output}]
-    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
+    """A conversation up to the assistant's next turn, rendered by the tokenizer's chat template."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def chat_answer(tokenizer, messages: list[dict[str, str]], prompt: str) -> str:
+    """The last (assistant) turn of `messages` as the chat template renders it after `prompt`, the rendering of
+    the turns before it, up to and including the first eos: generation stops there, so what follows (ChatML's
+    newline) is never generated."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     if not rendered.startswith(prompt):
         raise UsageError("--prompt_template chat: the tokenizer's chat template renders a conversation that does "
                          "not start with its own generation prompt, so answer tokens cannot be told from prompt "
                          "tokens; use --prompt_template alpaca or another chat model")
-    return rendered[len(prompt) :]
+    answer = rendered[len(prompt) :]
+    eos = tokenizer.eos_token
+    return answer[: answer.index(eos) + len(eos)] if eos and eos in answer else answer
+
+
+def render_prompt(tokenizer, instruction: str | list[dict[str, str]], input: str | None, prompt_template: str) -> str:
+    """The text before the answer: Alpaca's template, or the tokenizer's chat template up to the assistant turn.
+    `instruction` may be a conversation (a list of messages, the last the user's), under the chat template."""
+    if prompt_template == "alpaca":
+        return format_prompt(instruction, input)
+    messages = instruction if isinstance(instruction, list) else record_conversation(instruction, input)
+    return chat_prompt(tokenizer, messages)
+
+
+def conversation_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """(prompt ids, answer ids, labelled spans of the prompt) of a conversation that ends with an assistant turn.
+    The prompt is every turn before the last assistant turn, tokenized as generation is given it (and where the
+    interventions act); the answer is that last turn, through its eos. Each earlier assistant turn is labelled
+    too: a [start, end) span of prompt tokens, found from the characters it renders to in the prompt."""
+    prompt = chat_prompt(tokenizer, messages[:-1])
+    answer_ids = tokenizer(chat_answer(tokenizer, messages, prompt), add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id not in answer_ids:  # a template whose turn does not end with eos gets one
+        answer_ids.append(tokenizer.eos_token_id)
+    earlier_turns = [turn for turn, message in enumerate(messages[:-1]) if message["role"] == "assistant"]
+    if not earlier_turns:
+        return encode_prompts(tokenizer, [prompt], "chat")["input_ids"][0], answer_ids, []
+    if not tokenizer.is_fast:
+        raise UsageError(f"conversations of several assistant turns need a fast tokenizer (character offsets); "
+                         f"{type(tokenizer).__name__} is not one")
+    encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    spans = []
+    for turn in earlier_turns:
+        before = chat_prompt(tokenizer, messages[:turn])
+        text = chat_answer(tokenizer, messages[: turn + 1], before)
+        start, end = len(before), len(before) + len(text)
+        if prompt[start:end] != text:
+            raise UsageError("--prompt_template chat: the tokenizer's chat template renders an earlier assistant "
+                             "turn differently once later turns follow, so its tokens cannot be labelled; train "
+                             "on conversations cut after each assistant turn instead")
+        inside = [index for index, (first, last) in enumerate(encoded["offset_mapping"])
+                  if start <= first and last <= end and last > first]
+        spans.append([inside[0], inside[-1] + 1])
+    return encoded["input_ids"], answer_ids, spans
+
+
+def fit_conversation(tokenizer, messages: list[dict[str, str]], model_max_length: int):
+    """conversation_tokens of the longest run of whole turns, from the first, that ends with an assistant turn
+    and fits in `model_max_length`, and how many assistant turns were left out; if not even the first exchange
+    fits, that exchange (cut to length later, as an Alpaca record)."""
+    ends = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
+    for left_out, end in enumerate(reversed(ends)):
+        prompt_ids, answer_ids, spans = conversation_tokens(tokenizer, messages[: end + 1])
+        if len(prompt_ids) + len(answer_ids) <= model_max_length or end == ends[0]:
+            return prompt_ids, answer_ids, spans, left_out
 
 
 def encode_prompts(tokenizer, prompts: list[str], prompt_template: str, return_tensors: str | None = None):
@@ -98,9 +154,36 @@ def _read_local_records(path: str, flag: str) -> list[dict]:
     return records
 
 
-def check_records(records: list[dict], source: str) -> None:
-    """Every record needs string `instruction` and `output`; `input` is optional."""
+def check_conversations(records: list[dict], source: str, last_role: str = "assistant") -> None:
+    """Every record a list of messages with string `role` and `content`, the last from `last_role` (the
+    assistant's to train on, the user's to answer)."""
     for index, record in enumerate(records):
+        messages = record.get(CONVERSATION_FIELD) if isinstance(record, dict) else None
+        where = f"record {index} of {source}"
+        if not isinstance(messages, list) or not messages:
+            raise UsageError(f"{where} has no non-empty {CONVERSATION_FIELD!r} list, which every record of a file "
+                             "of conversations needs (conversations and Alpaca records do not mix)")
+        for message in messages:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise UsageError(f"{where}: every message needs a string 'role' and 'content', got {message!r:.80}")
+        if messages[-1]["role"] != last_role:
+            raise UsageError(f"{where} ends with a {messages[-1]['role']!r} message; it should end with the "
+                             f"{last_role}'s turn")
+
+
+def check_records(records: list[dict], source: str) -> None:
+    """Every record needs string `instruction` and `output`; `input` is optional. Or, if the first record has
+    `messages`, every record is a conversation (check_conversations)."""
+    if records and isinstance(records[0], dict) and CONVERSATION_FIELD in records[0]:
+        return check_conversations(records, source)
+    for index, record in enumerate(records):
+        wrong_type = [key for key in ("instruction", "input", "output") if isinstance(record, dict)
+                      and record.get(key) is not None and not isinstance(record[key], str)]
+        if wrong_type:
+            key = wrong_type[0]
+            raise UsageError(f"record {index} of {source} has {key!r}, but as a {type(record[key]).__name__}, not a "
+                             f"string; map a string field to {key!r} with --field_map, or convert the records")
         ok = isinstance(record, dict) and all(
             isinstance(record.get(key), str) for key in ("instruction", "output")
         ) and isinstance(record.get("input", ""), (str, type(None)))
@@ -116,8 +199,8 @@ def check_records(records: list[dict], source: str) -> None:
 
 
 def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None):
-    """Alpaca records from a local .json/.jsonl file or an HF hub dataset, as a `datasets.Dataset`.
-    `field_map` renames fields first (--field_map)."""
+    """Alpaca records or conversations from a local .json/.jsonl file or an HF hub dataset, as a
+    `datasets.Dataset`. `field_map` renames fields first (--field_map)."""
     import datasets
 
     field_map = field_map or {}
@@ -125,6 +208,10 @@ def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str,
         records = [{field_map.get(key, key): value for key, value in record.items()} if isinstance(record, dict)
                    else record for record in _read_local_records(data_path, flag)]
         check_records(records, f"{flag} {data_path!r}")
+        if records and CONVERSATION_FIELD in records[0]:
+            # role and content only: the messages' other keys (names, tool calls) vary from record to record
+            return datasets.Dataset.from_dict({CONVERSATION_FIELD: [
+                [{"role": m["role"], "content": m["content"]} for m in r[CONVERSATION_FIELD]] for r in records]})
         dataset = datasets.Dataset.from_dict({
             "instruction": [r["instruction"] for r in records],
             "input": [r.get("input") or "" for r in records],
@@ -133,7 +220,7 @@ def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str,
     else:
         dataset = datasets.load_dataset(data_path, split="train")
         dataset = dataset.rename_columns({k: v for k, v in field_map.items() if k in dataset.column_names})
-        if "input" not in dataset.column_names:
+        if "input" not in dataset.column_names and CONVERSATION_FIELD not in dataset.column_names:
             dataset = dataset.add_column("input", [""] * len(dataset))
         check_records(dataset.select(range(min(len(dataset), 1000))).to_list(), f"{flag} {data_path!r}")
     return dataset
@@ -160,33 +247,44 @@ def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ra
 
 
 def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "alpaca"):
-    """Adds `input_ids` (prompt + output + eos, truncated), `prompt_length` and `length`; drops examples left
-    without any output token. Prompt and output are tokenized separately, so the prompt tokens are
+    """Adds `input_ids` (prompt + answer + eos, truncated), `prompt_length` and `length`; drops examples left
+    without any answer token. Prompt and answer are tokenized separately, so the prompt tokens are
     exactly those the model sees at generation time.
 
-    With a chat template the answer is what the template renders after the prompt, up to and including the
-    first eos: generation stops there, so what follows (ChatML's newline) is never generated. A template whose
-    turn does not end with eos gets one, as the Alpaca answer does."""
-    eos = tokenizer.eos_token_id
+    With a chat template every record is a conversation (an Alpaca record one of two turns: record_conversation),
+    tokenized by conversation_tokens, and `label_spans` marks its earlier assistant turns; a conversation longer
+    than `model_max_length` loses whole turns from its end first (fit_conversation)."""
+    if CONVERSATION_FIELD in dataset.column_names and prompt_template != "chat":
+        raise UsageError("conversation records ('messages') are rendered by the model's chat template: add "
+                         "--prompt_template chat")
 
     def tokenize_batch(batch: dict[str, list]) -> dict[str, list]:
-        records = list(zip(batch["instruction"], batch["input"], batch["output"]))
-        prompts = [render_prompt(tokenizer, i, x, prompt_template) for i, x, _ in records]
-        answers = [render_answer(tokenizer, i, x, o, p, prompt_template) for (i, x, o), p in zip(records, prompts)]
-        prompt_ids = encode_prompts(tokenizer, prompts, prompt_template)["input_ids"]
-        answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
-        if prompt_template == "chat":
-            answer_ids = [ids[: ids.index(eos) + 1] if eos in ids else ids + [eos] for ids in answer_ids]
+        if prompt_template == "alpaca":
+            records = list(zip(batch["instruction"], batch["input"], batch["output"]))
+            prompt_ids = encode_prompts(tokenizer, [format_prompt(i, x) for i, x, _ in records], "alpaca")["input_ids"]
+            answer_ids = [ids + [tokenizer.eos_token_id]
+                          for ids in tokenizer([o for _, _, o in records], add_special_tokens=False)["input_ids"]]
+            columns = {}
         else:
-            answer_ids = [ids + [eos] for ids in answer_ids]
+            conversations = batch.get(CONVERSATION_FIELD) or [
+                record_conversation(*record) for record in zip(batch["instruction"], batch["input"], batch["output"])]
+            prompt_ids, answer_ids, spans, left_out = zip(*[fit_conversation(tokenizer, messages, model_max_length)
+                                                             for messages in conversations])
+            columns = {"label_spans": list(spans), "turns_left_out": list(left_out)}
         input_ids = [(p + a)[:model_max_length] for p, a in zip(prompt_ids, answer_ids)]
         return {"input_ids": input_ids, "prompt_length": [len(p) for p in prompt_ids],
-                "length": [len(ids) for ids in input_ids]}
+                "length": [len(ids) for ids in input_ids], **columns}
 
     tokenized = dataset.map(
         tokenize_batch, batched=True, batch_size=1000, remove_columns=dataset.column_names,
         desc="Tokenizing", load_from_cache_file=True,
     )
+    if "turns_left_out" in tokenized.column_names:
+        left_out = np.array(tokenized["turns_left_out"])
+        if left_out.any():
+            print(f"Cut {np.count_nonzero(left_out)} conversation(s) after an earlier assistant turn to fit "
+                  f"--model_max_length {model_max_length}: {left_out.sum()} assistant turn(s) left out.")
+        tokenized = tokenized.remove_columns("turns_left_out")
     keep = np.flatnonzero(np.array(tokenized["length"]) > np.array(tokenized["prompt_length"]))
     if len(keep) == 0:
         raise UsageError(
@@ -208,7 +306,8 @@ def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_templ
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
     code = [inspect.getsource(function)
-            for function in (format_prompt, user_turn, render_prompt, render_answer, encode_prompts, tokenize)]
+            for function in (format_prompt, user_turn, record_conversation, chat_prompt, chat_answer, encode_prompts,
+                             conversation_tokens, fit_conversation, tokenize)]
     digest.update(json.dumps([*code, PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id, model_max_length,
                               type(tokenizer).__name__, prompt_template,
                               tokenizer.chat_template if prompt_template == "chat" else None]).encode())
@@ -231,11 +330,13 @@ def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | 
 
 
 def records_fingerprint(records) -> str:
-    """SHA-256 of the training records as trained on, in order: their instruction, input and output after
-    --field_map, --max_n_train_example and the held-out split. Their content, not their file's path or date."""
+    """SHA-256 of the training records as trained on, in order: their instruction, input and output (or
+    messages) after --field_map, --max_n_train_example and the held-out split. Their content, not their file's
+    path or date."""
     digest = hashlib.sha256()
-    for batch in records.select_columns(list(ALPACA_FIELDS)).iter(batch_size=1000):
-        digest.update(json.dumps([batch[field] for field in ALPACA_FIELDS]).encode())
+    fields = [field for field in RECORD_FIELDS if field in records.column_names]
+    for batch in records.select_columns(fields).iter(batch_size=1000):
+        digest.update(json.dumps([batch[field] for field in fields]).encode())
     return digest.hexdigest()
 
 
@@ -300,6 +401,16 @@ class Collator:
     num_layers: int
     pad_to_multiple_of: int = 1
 
+    def example_labels(self, example: dict[str, Any], ids):
+        """The tokens the loss is on: every token after the prompt (the answer and eos), and in a conversation
+        its earlier assistant turns (`label_spans`). The loss's window and the step's label count are derived
+        from these, so this is the one place to change them."""
+        labels = ids.clone()
+        labels[: example["prompt_length"]] = IGNORE_INDEX
+        for start, end in example.get("label_spans") or ():
+            labels[start:end] = ids[start:end]
+        return labels
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
@@ -312,7 +423,10 @@ class Collator:
             ids = torch.tensor(example["input_ids"], dtype=torch.long)
             input_ids[row, : len(ids)] = ids
             attention_mask[row, : len(ids)] = 1
-            labels[row, example["prompt_length"] : len(ids)] = ids[example["prompt_length"] :]
+            labels[row, : len(ids)] = self.example_labels(example, ids)
+        # Position 0 predicts nothing, so a label there is never counted.
+        labels[:, 0] = IGNORE_INDEX
+        labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         # Every example has at least one output token after its prompt, so the last column is never a
         # prompt position; its hidden state only feeds its own logits, which predict nothing (causal
         # attention, shifted labels). Intervening there is a no-op: a safe padding position.
@@ -320,18 +434,43 @@ class Collator:
             [example["prompt_length"] for example in examples], self.position, self.share_weights,
             self.num_layers, pad_position=width - 1,
         )
+        locations = [torch.tensor(window) for window in locations]
+        # True at the real positions, False at the padding ones (the last column is never a real one): a loss
+        # term over the intervened positions sums under this mask, or it also sums over padding, which depends
+        # on how the step is cut into micro-batches and ranks.
+        intervention_mask = [window != width - 1 for window in locations]
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
             # As tensors, built here (in a DataLoader worker) rather than by pyvene from Python lists in
             # every hook of every forward: see `token_losses`.
-            "intervention_locations": [torch.tensor(window) for window in locations],
-            "min_prompt_length": min(example["prompt_length"] for example in examples),
-            # Counted here, on the host, so that the training step never reads them back from the device.
-            "num_label_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+            "intervention_locations": locations,
+            "intervention_mask": intervention_mask,
+            # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
+            # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
+            # host, so that the training step never reads them back from the device.
+            "first_label_position": int(labelled_columns[0]) if len(labelled_columns) else width,
+            "num_label_tokens": int((labels != IGNORE_INDEX).sum()),
+            "num_intervened_positions": int(sum(mask.sum() for mask in intervention_mask)),
             "num_tokens": sum(len(example["input_ids"]) for example in examples),
         }
+
+
+# What the collator counts in each micro-batch, summed over an optimizer step's micro-batches on every rank
+# into the step's counts (`step_counts`), which each micro-batch then carries as batch["step_counts"].
+STEP_COUNTS = ("num_label_tokens", "num_intervened_positions")
+
+
+def step_counts(micro_batches: list[dict[str, Any]]) -> list[int]:
+    """This process's part of the step's counts, in STEP_COUNTS' order: summed over ranks, the step's."""
+    return [sum(batch[key] for batch in micro_batches) for key in STEP_COUNTS]
+
+
+def give_step_counts(micro_batches: list[dict[str, Any]], counts: list[int]) -> None:
+    """Each micro-batch gets the whole step's counts: what a loss term normalizes by to stay exact on N ranks."""
+    for batch in micro_batches:
+        batch["step_counts"] = dict(zip(STEP_COUNTS, counts))
 
 
 @dataclass
@@ -464,7 +603,10 @@ def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas
     return DataLoader(dataset, batch_sampler=sampler,
                       collate_fn=StepCollator(collate, args.per_device_train_batch_size),
                       num_workers=args.dataloader_num_workers, pin_memory=pin_memory,
-                      persistent_workers=args.dataloader_num_workers > 0, worker_init_fn=dataloader_worker_init,
+                      # Workers end with each epoch's iterator. A persistent iterator lives as long as the
+                      # DataLoader; left to the garbage collector (a reference cycle), it finds its workers' queues
+                      # already closed, and the workers, which ignore SIGTERM, then hang the process at exit.
+                      persistent_workers=False, worker_init_fn=dataloader_worker_init,
                       # Each epoch's iterator draws a seed for its workers: from this generator, not from the
                       # global RNG, whose stream (dropout) a resumed run must continue exactly.
                       generator=Generator())

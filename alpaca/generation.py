@@ -19,11 +19,12 @@ SAMPLE_INSTRUCTIONS = [
 
 
 @torch.no_grad()
-def answer(reft_model, tokenizer, instruction: str, position: tuple[int, int], share_weights: bool,
-           num_layers: int, max_new_tokens: int = 96, input: str = "",
+def answer(reft_model, tokenizer, instruction: str | list[dict[str, str]], position: tuple[int, int],
+           share_weights: bool, num_layers: int, max_new_tokens: int = 96, input: str = "",
            prompt_template: str = "alpaca", synced_ranks: bool = False) -> tuple[str, str]:
-    """(base answer, ReFT answer). The prompt is rendered as in training (`prompt_template`), and the
-    interventions act on its positions only."""
+    """(base answer, ReFT answer) to an instruction, or to a conversation (its messages, the last the user's)
+    under the chat template. The prompt is rendered as in training (`prompt_template`), and the interventions
+    act on its positions only."""
     device = reft_model.get_device()
     text = render_prompt(tokenizer, instruction, input, prompt_template)
     prompt = encode_prompts(tokenizer, [text], prompt_template, return_tensors="pt").to(device)
@@ -65,6 +66,8 @@ def side_by_side(rows: list[tuple[str, str, str]], width: int | None = None,
     column = (width - 3) // 2
     lines = []
     for instruction, base, reft in rows:
+        if isinstance(instruction, list):  # a conversation: its last message, after how many came before
+            instruction = f"(after {len(instruction) - 1} messages) {instruction[-1]['content']}"
         lines += ["=" * width, textwrap.shorten(f"Instruction: {instruction}", width), "-" * width]
         lines.append(f"{headers[0][:column]:<{column}} | {headers[1]}")
         left, right = _wrap(base, column), _wrap(reft, column)

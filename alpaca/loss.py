@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alpaca.data import IGNORE_INDEX
+from alpaca.data import IGNORE_INDEX, give_step_counts, step_counts
 from alpaca.workarounds import set_train_mode
 
 
@@ -19,12 +19,13 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     SDPA runs plain causal attention: no mask to build, and flash attention is eligible.
 
     Only positions that predict a label need the vocabulary projection: `logits_to_keep` skips the
-    prompt prefix shared by the whole micro-batch (the LM head is ~a fifth of a small model's FLOPs).
+    columns before the micro-batch's first label, found by the collator in the labels themselves (the LM
+    head is ~a fifth of a small model's FLOPs).
     """
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
-    # Position t predicts label t + 1; the first label sits at the shortest prompt's length.
-    first_predicting = batch["min_prompt_length"] - 1
+    # Position t predicts label t + 1.
+    first_predicting = batch["first_label_position"] - 1
     keep = input_ids.shape[1] - first_predicting
     inputs = {
         "input_ids": input_ids,
@@ -73,17 +74,22 @@ def evaluate(reft_model, dataset, eval_plan: list[list[int]], collate, device: t
     A sharded base (FSDP, ZeRO-3) answers only when every rank runs each forward, and ranks may hold one
     batch fewer than others: those run a forward more, whose result is dropped.
     """
+    def collated(indices: list[int]) -> dict:
+        batch = collate([dataset[i] for i in indices])
+        give_step_counts([batch], step_counts([batch]))  # each batch is a step of its own, on any number of ranks
+        return batch
+
     batches = eval_plan[rank::world_size]
     num_forwards = -(-len(eval_plan) // world_size) if sharded_base else len(batches)
     set_train_mode(reft_model, False)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     try:
         for indices in batches:
-            batch = collate([dataset[i] for i in indices])
+            batch = collated(indices)
             totals[0] += summed_token_loss(reft_model, batch, device).double()
             totals[1] += batch["num_label_tokens"]
         for _ in range(num_forwards - len(batches)):
-            summed_token_loss(reft_model, collate([dataset[0]]), device)
+            summed_token_loss(reft_model, collated([0]), device)
     finally:
         set_train_mode(reft_model, True)
     return totals

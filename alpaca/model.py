@@ -125,8 +125,8 @@ def resolve_model_path(model_name_or_path: str, cache_dir: str | None = None) ->
 
 def check_model(args) -> str:
     """Resolve the model and check it before any weight is loaded: --layers and --rank against its config, its
-    decoder layer list (built on the meta device: no memory), its tokenizer against its embedding matrix, and
-    the chat template. Returns the path (or hub name) to load."""
+    decoder layer list (built on the meta device: no memory), its tokenizer against its embedding matrix, the
+    chat template, and --component (in pyvene's layout of the model). Returns the path (or hub name) to load."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     name = args.model_name_or_path
@@ -146,7 +146,12 @@ def check_model(args) -> str:
     parse_layers(args.layers, text_config.num_hidden_layers)
     if args.rank >= text_config.hidden_size:
         raise UsageError(f"--rank {args.rank} must be smaller than the model's hidden size {text_config.hidden_size}")
-    decoder_layer_list(model)
+    import pyvene
+
+    register_layout(model)
+    if args.component not in pyvene.type_to_module_mapping[type(model)]:
+        raise UsageError(f"--component {args.component}: pyvene knows no such module in the layers of "
+                         f"{type(model).__name__}; use --component block_output")
     embedding_rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > embedding_rows:
         raise UsageError(f"the tokenizer of {name!r} has {len(tokenizer)} tokens, its model's embedding matrix "
@@ -177,8 +182,8 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
 
 
 def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, rank: int,
-                     dropout: float = 0.0, intervention: str = "loreft"):
-    """pyreft model with one intervention per (layer, window) on the block output.
+                     dropout: float = 0.0, intervention: str = "loreft", component: str = "block_output"):
+    """pyreft model with one intervention per (layer, window) on `component` (a name of COMPONENTS).
 
     Seed torch before calling: the interventions' initial weights come from the global RNG.
     """
@@ -195,7 +200,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     representations = [
         {
             "layer": layer,
-            "component": "block_output",
+            "component": component,
             "low_rank_dimension": rank,
             "intervention": new_intervention(intervention_class, hidden_size, rank, model.dtype, dropout),
         }
@@ -266,7 +271,8 @@ def enable_gradient_checkpointing(model) -> None:
     """Non-reentrant activation checkpointing of each decoder layer (torch's composable `checkpoint`).
     Unlike HF's `gradient_checkpointing_enable`, it does not need the frozen base in train mode, where
     the base's dropout would switch on. pyvene's interventions act on the layers' outputs, outside the
-    recomputed region: the gradients are identical with and without it."""
+    recomputed region (--component block_output, the only one args.validate lets through): the gradients are
+    identical with and without it."""
     from torch.distributed._composable import checkpoint
 
     for layer in decoder_layers(model):

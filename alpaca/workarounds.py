@@ -16,6 +16,8 @@ import warnings
 
 import torch
 
+from alpaca.args import COMPONENTS
+
 # pyvene's hooks copy index tensors with torch.tensor(tensor), which warns that clone() is the recommended
 # copy; the copy is what we want.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
@@ -48,13 +50,14 @@ def keep_foreign_hooks(reft_model) -> None:
 def scatter_on_device(reft_model) -> None:
     """pyvene writes intervened positions back (modeling_utils.scatter_neurons) through a batch index it builds
     on the CPU: on CUDA that index is a blocking host-to-device copy in every hook, forward and backward. Make
-    the same write with the index on the activation's device."""
+    the same write with the index on the activation's device, for each of COMPONENTS (a hidden_size-wide
+    output, as a tensor or the first of a tuple)."""
     pyvene_scatter = reft_model._scatter_intervention_output
 
     def scatter(output, intervened, key, unit_locations):
         representation = reft_model.representations[key]
         if (unit_locations is None or reft_model.use_fast or isinstance(output, dict) or representation.unit != "pos"
-                or representation.component != "block_output"):
+                or representation.component not in COMPONENTS):
             return pyvene_scatter(output, intervened, key, unit_locations)
         hidden = output[0] if isinstance(output, tuple) else output
         batch_index = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1)
@@ -103,8 +106,9 @@ def register_layout(model) -> None:
     a table of nine decoder-only families (GPT-2, GPT-Neo, GPT-NeoX, Gemma, Gemma 2, Llama, Mistral, OLMo,
     Qwen2); for any other class it hooks an empty attribute name (`AttributeError: 'Qwen3ForCausalLM' object has
     no attribute ''`), and `ReftModel.load` finds no intervention width in `type_to_dimension_mapping`
-    (KeyError). Register the model's class in both, from the model: its decoder layer list and the hidden size
-    of its (text) config. A class pyvene maps keeps pyvene's own layout."""
+    (KeyError). Register the model's class in both, from the model: its decoder layer list (with its layers'
+    `mlp` and `self_attn`, transformers' names, for the other COMPONENTS) and the hidden size of its (text)
+    config. A class pyvene maps keeps pyvene's own layout."""
     import pyvene
     from pyvene.models.constants import CONST_OUTPUT_HOOK
 
@@ -117,6 +121,12 @@ def register_layout(model) -> None:
     text_config = model.config.get_text_config(decoder=True)
     # a config attribute path, as pyvene's own tables give it: the class has models of many widths
     text_config_name = next((name for name, value in vars(model.config).items() if value is text_config), None)
-    pyvene.type_to_module_mapping[model_class] = {"block_output": (f"{layers}[%s]", CONST_OUTPUT_HOOK)}
-    pyvene.type_to_dimension_mapping[model_class] = {
-        "block_output": (".".join(name for name in (text_config_name, "hidden_size") if name),)}
+    layer = model.get_submodule(layers)[0]
+    modules = {"block_output": f"{layers}[%s]", "mlp_output": f"{layers}[%s].mlp",
+               "attention_output": f"{layers}[%s].self_attn"}
+    modules = {component: path for component, path in modules.items()
+               if component == "block_output" or hasattr(layer, path.rpartition(".")[2])}
+    hidden_size = ".".join(name for name in (text_config_name, "hidden_size") if name)
+    pyvene.type_to_module_mapping[model_class] = {component: (path, CONST_OUTPUT_HOOK)
+                                                  for component, path in modules.items()}
+    pyvene.type_to_dimension_mapping[model_class] = {component: (hidden_size,) for component in modules}

@@ -3,6 +3,7 @@
     python examples/generate.py --reft_dir output
     python examples/generate.py --reft_dir out --instruction "Name three primary colors." --max_new_tokens 64
     python examples/generate.py --reft_dir single_gpu_run --compare multi_gpu_run --instructions_file prompts.txt
+    python examples/generate.py --reft_dir chat_run --conversations_file chats.jsonl   # --prompt_template chat runs
 
 The base model (unless given), the intervention positions and the prompt template come from the run's
 training_args.json. Greedy decoding; the interventions act on the prompt's positions, as in training.
@@ -28,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model_name_or_path", default=None, help="default: the one the run trained on")
     parser.add_argument("--instruction", action="append", default=[], help="repeatable")
     parser.add_argument("--instructions_file", default=None, help="one instruction per line")
+    parser.add_argument("--conversations_file", default=None,
+                        help="conversations to continue (a run trained with --prompt_template chat): .json/.jsonl "
+                             "records of 'messages', each ending with the user's turn")
     parser.add_argument("--max_new_tokens", type=int, default=96)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     return parser.parse_args(argv)
@@ -40,6 +44,15 @@ def run_settings(directory: str) -> dict:
         if candidate.exists():
             return json.loads(candidate.read_text())
     raise UsageError(f"{directory!r} has no training_args.json; pass an output_dir written by train.py")
+
+
+def read_conversations(path: str) -> list[list[dict]]:
+    """The messages of each record of a .json/.jsonl file of conversations, each ending with the user's turn."""
+    from alpaca.data import _read_local_records, check_conversations
+
+    records = _read_local_records(path, "--conversations_file")
+    check_conversations(records, f"--conversations_file {path!r}", last_role="user")
+    return [record["messages"] for record in records]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,6 +75,8 @@ def generate(args: argparse.Namespace) -> None:
     instructions = list(args.instruction)
     if args.instructions_file:
         instructions += [line.strip() for line in Path(args.instructions_file).read_text().splitlines() if line.strip()]
+    if args.conversations_file:
+        instructions += read_conversations(args.conversations_file)
     instructions = instructions or SAMPLE_INSTRUCTIONS
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_base_model(args.model_name_or_path or settings[0]["model_name_or_path"],
@@ -73,6 +88,9 @@ def generate(args: argparse.Namespace) -> None:
         num_layers = num_intervened_layers(reft_model, position, run_args["share_weights"])
         # Runs from before --prompt_template trained on the Alpaca prompt.
         prompt_template = run_args.get("prompt_template", "alpaca")
+        if args.conversations_file and prompt_template != "chat":
+            raise UsageError(f"--conversations_file: {run!r} was trained with --prompt_template {prompt_template}; "
+                             "conversations need a run trained with --prompt_template chat")
         answers.append([answer(reft_model, tokenizer, instruction, position, run_args["share_weights"], num_layers,
                                args.max_new_tokens, prompt_template=prompt_template) for instruction in instructions])
     if args.compare:

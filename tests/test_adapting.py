@@ -40,6 +40,15 @@ def test_field_map_renames_them(question_answer_data):
     assert dataset["output"] == [r["output"] for r in records] and dataset["input"] == [""] * 4
 
 
+def test_a_field_of_the_wrong_type_is_named_as_such(tmp_path):
+    """A conversation mapped onto 'instruction' is there, as a list: the message says so."""
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([{"messages": [{"role": "user", "content": "Hi"}], "output": "Hello"}]))
+    with pytest.raises(UsageError, match=r"record 0 of .* has 'instruction', but as a list, not a string; map a "
+                                         r"string field to 'instruction' with --field_map"):
+        load_records(str(path), field_map={"messages": "instruction"})
+
+
 def test_a_malformed_field_map_is_one_line(question_answer_data, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args("train.py", ["--field_map", "question=prompt"])
@@ -77,40 +86,48 @@ def test_editing_the_prompt_in_a_copy_never_reuses_the_cached_tokenization(tiny_
 
 
 def guide_sections() -> list[tuple[str, str, list[str]]]:
-    """(title, diff, [command, ...]) of each adaptation in docs/adapting.md."""
+    """(title, diff or None where flags do it, [command, ...]) of each adaptation in docs/adapting.md."""
     text = (REPO / "docs" / "adapting.md").read_text()
     sections = []
     for section in re.split(r"^## ", text, flags=re.M)[1:]:
         diff = re.search(r"```diff\n(.*?)```", section, re.S)
         commands = re.search(r"```bash\n(.*?)```", section, re.S)
-        sections.append((section.splitlines()[0], diff[1], commands[1].strip().splitlines()))
+        sections.append((section.splitlines()[0], diff and diff[1], commands[1].strip().splitlines()))
     return sections
 
 
 @pytest.mark.parametrize("title,diff,commands", guide_sections(), ids=[s[0] for s in guide_sections()])
-def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, tiny_model, question_answer_data,
-                                                         tmp_path):
+def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, tiny_model, tiny_chat_model,
+                                                         question_answer_data, tmp_path):
     """The documented diff applies to a fresh copy of the repository, and its commands run there (two steps on
-    the tiny model)."""
+    the tiny model, with its chat template for --prompt_template chat; on the question-answer data unless the
+    command names data shipped in examples/); each torchrun command trains the model of the python command before it."""
     copy = tmp_path / "copy"
     ignored = shutil.ignore_patterns(".git", ".venv", "__pycache__", "output", "out_*", "wandb")
     shutil.copytree(REPO, copy, ignore=ignored)
-    applied = subprocess.run(["git", "apply", "-C1", "-"], input=diff, cwd=copy, capture_output=True, text=True)
-    assert applied.returncode == 0, applied.stderr
+    if diff is not None:
+        applied = subprocess.run(["git", "apply", "-C1", "-"], input=diff, cwd=copy, capture_output=True, text=True)
+        assert applied.returncode == 0, applied.stderr
     data, _ = question_answer_data
-    outputs = []
+    outputs = {}
     for command in commands:
         words = shlex.split(command)
         assert words[0] in ("python", "torchrun"), command
+        model = tiny_chat_model if "--prompt_template chat" in command else tiny_model
+        shipped_data = "--data_path" in words and (copy / words[words.index("--data_path") + 1]).exists()
+        data_flags = [] if shipped_data else ["--field_map", "question=instruction,answer=output", "--data_path",
+                                              str(data)]
         extra = ["--max_new_tokens", "4", "--instruction", "Name three primary colors."] if "generate.py" in command \
-            else ["--model_name_or_path", str(tiny_model), "--layers", "1;2", "--max_steps", "2", "--logging_steps",
-                  "1", "--num_sample_answers", "0", "--field_map", "question=instruction,answer=output",
-                  "--data_path", str(data)]
+            else ["--model_name_or_path", str(model), "--layers", "1;2", "--max_steps", "2", "--logging_steps", "1",
+                  "--num_sample_answers", "0", *data_flags]
         launcher = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] \
             if words[0] == "torchrun" else None
-        result = run_script([*words[1:], *extra], cwd=copy, launcher=launcher)
+        # One thread, as torchrun gives each of its workers: the kernels then sum in the same order, and what the
+        # python and torchrun runs compare is what 1 and 2 processes change (a thread count alone moves weights
+        # that Adam scales from near-zero gradients by up to 4e-6).
+        result = run_script([*words[1:], *extra], cwd=copy, launcher=launcher, env={"OMP_NUM_THREADS": "1"})
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
         if "--output_dir" in words and "generate.py" not in command:
-            outputs.append(copy / words[words.index("--output_dir") + 1])
-    if any(command.startswith("torchrun") for command in commands):  # the adaptation trains one model on 1 and N
-        assert_same_run(outputs[1], outputs[0])
+            outputs[words[0]] = copy / words[words.index("--output_dir") + 1]
+        if words[0] == "torchrun":  # the adaptation trains one model on 1 and N processes
+            assert_same_run(outputs["torchrun"], outputs["python"])

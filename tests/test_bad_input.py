@@ -66,6 +66,8 @@ CASES = [
     ("chat prompt without a chat template", ["--prompt_template", "chat"],
      "--prompt_template chat: the tokenizer of '{model}' has no chat template; use --prompt_template alpaca or a "
      "chat model"),
+    ("component inside a recomputed layer", ["--component", "mlp_output", "--gradient_checkpointing"],
+     "--gradient_checkpointing recomputes whole decoder layers, inside which --component mlp_output is hooked"),
     ("unknown flag", ["--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat"),
     ("eval without eval data", ["--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
     ("eval split ratio out of range", ["--eval_split_ratio", "1.5"], "--eval_split_ratio must be in (0, 1)"),

@@ -14,7 +14,6 @@ from alpaca.data import (
     GlobalBatchSampler,
     StepCollator,
     _dataset_fingerprint,
-    dataloader_worker_init,
     format_prompt,
     global_batches,
     intervention_locations,
@@ -24,6 +23,7 @@ from alpaca.data import (
     prompt_windows,
     rank_micro_batches,
     render_prompt,
+    step_loader,
     tokenize,
 )
 from alpaca.errors import UsageError
@@ -203,24 +203,28 @@ def test_pad_to_multiple_of_rounds_the_width_up_and_changes_no_label(tokenizer, 
     assert rounded["num_tokens"] == plain["num_tokens"] == int(plain["attention_mask"].sum())
 
 
-def test_dataloader_workers_give_the_same_steps_and_survive_a_stop_signal(tokenizer, tiny_data):
-    """What the scripts build: 2 persistent workers give the batches collated in-process, epoch after epoch.
-    SIGTERM to a worker (a cluster signals every process) leaves it running: the main process decides."""
+def test_dataloader_workers_give_the_same_steps_survive_a_stop_signal_and_end_with_the_loop(tokenizer, tiny_data):
+    """What the scripts build (step_loader): 2 workers give the batches collated in-process, epoch after epoch.
+    SIGTERM to a worker (a cluster signals every process) leaves it running: the main process decides. A loop
+    left early (the last step) ends the workers at once, not at the DataLoader's garbage collection, which
+    can come too late for them to hear it (a hang at exit)."""
+    import argparse
     import os
     import signal
+    import time
 
     from test_resume import child_pids
-    from torch.utils.data import DataLoader
 
     dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
-    collate = StepCollator(Collator(tokenizer.pad_token_id, (1, 1), False, 4, pad_to_multiple_of=8), 2)
+    collate = Collator(tokenizer.pad_token_id, (1, 1), False, 4, pad_to_multiple_of=8)
 
     def steps(num_workers):
-        sampler = GlobalBatchSampler(len(dataset), 2, 2, seed=1, lengths=np.array(dataset["length"]))
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                            persistent_workers=num_workers > 0, worker_init_fn=dataloader_worker_init)
+        args = argparse.Namespace(per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=1,
+                                  group_by_length=True, dataloader_num_workers=num_workers)
+        loader = step_loader(dataset, collate, args, pin_memory=False)
+        sampler = loader.batch_sampler
         seen = []
-        for epoch in range(2):
+        for epoch in range(3):
             sampler.set_epoch(epoch)
             for index, micro_batches in enumerate(loader):
                 if num_workers and epoch == 0 and index == 0:
@@ -228,10 +232,16 @@ def test_dataloader_workers_give_the_same_steps_and_survive_a_stop_signal(tokeni
                     assert len(workers) == num_workers
                     os.kill(workers[0], signal.SIGTERM)
                 seen.append(micro_batches)
+                if epoch == 2 and index == 2:
+                    break
+        deadline = time.monotonic() + 30
+        while child_pids(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert child_pids(os.getpid()) == [], "DataLoader workers outlived the loop that used them"
         return seen
 
     in_process, in_workers = steps(0), steps(2)
-    assert len(in_process) == len(in_workers) == 2 * 6  # 21 examples, global batch 4
+    assert len(in_process) == len(in_workers) == 2 * 6 + 3  # 21 examples, global batch 4
 
     def same(a, b) -> bool:
         if isinstance(a, dict):

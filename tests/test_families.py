@@ -134,6 +134,25 @@ def test_a_multimodal_model_is_intervened_on_in_its_language_model():
     assert get_dimension_by_component(type(model), model.config, "block_output") == 96
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3"])
+def test_the_layout_registered_has_every_component(model_type):
+    """--component mlp_output and attention_output of a family pyvene does not map: its layers' `mlp` and
+    `self_attn`, as wide as the hidden state."""
+    import pyvene
+    from pyvene.models.modeling_utils import get_dimension_by_component
+
+    from alpaca.args import COMPONENTS
+
+    model = meta_model(model_type)
+    register_layout(model)
+    layout = pyvene.type_to_module_mapping[type(model)]
+    layers = decoder_layer_list(model)
+    assert layout["mlp_output"][0] == f"{layers}[%s].mlp" and layout["attention_output"][0] == f"{layers}[%s].self_attn"
+    for component in COMPONENTS:
+        model.get_submodule(layout[component][0].replace("[%s]", ".0"))  # the module pyvene hooks exists
+        assert get_dimension_by_component(type(model), model.config, component) == model.config.hidden_size
+
+
 def test_a_model_without_a_decoder_layer_list_or_with_a_larger_tokenizer_is_refused_before_loading(tiny_model,
                                                                                                    tmp_path):
     """One line, exit 2, from the config and tokenizer alone: the models have no weights file."""

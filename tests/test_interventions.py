@@ -124,3 +124,40 @@ def test_share_weights_with_one_window_says_it_changes_nothing(capsys):
     assert "--position l3 has one window, so it changes nothing" in capsys.readouterr().err
     parse_args("train.py", ["--position", "f1+l1", "--share_weights"])
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("component", ["mlp_output", "attention_output"])
+def test_each_component_is_intervened_on_saved_and_loaded_back(tiny_model, tiny_data, tmp_path, component):
+    """--component: the interventions act there (another loss than on the block output), the on-device write
+    gives pyvene's own losses and gradients exactly, and the loader reads the component back from config.json."""
+    model, tokenizer = load_base_model(str(tiny_model), torch.float32, CPU)
+    batch = Collator(tokenizer.pad_token_id, POSITION, False, num_layers=2)(
+        list(tokenize(load_records(str(tiny_data)), tokenizer, 512))[:5])
+
+    def loss_and_gradients(reft_model):
+        loss = summed_token_loss(reft_model, batch, CPU)
+        parameters = [p for _, p in intervention_parameters(reft_model)]
+        return loss.detach(), torch.autograd.grad(loss, parameters)
+
+    def built(component):
+        torch.manual_seed(0)
+        reft_model = build_reft_model(model, "1;2", POSITION, False, rank=4, component=component)
+        for intervention in reft_model.interventions.values():
+            torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
+        return reft_model
+
+    block_loss, _ = loss_and_gradients(built("block_output"))
+    reft_model = built(component)
+    ours_loss, ours = loss_and_gradients(reft_model)
+    assert not torch.allclose(ours_loss, block_loss)
+    del reft_model._scatter_intervention_output  # back to pyvene's method
+    pyvenes_loss, pyvenes = loss_and_gradients(reft_model)
+    assert torch.equal(ours_loss, pyvenes_loss)
+    assert all(torch.equal(actual, expected) for actual, expected in zip(ours, pyvenes))
+
+    save_interventions(reft_model, tmp_path)
+    fresh, _ = load_base_model(str(tiny_model), torch.float32, CPU)
+    reloaded = load_reft_model(tmp_path, fresh)
+    assert {representation.component for representation in reloaded.representations.values()} == {component}
+    with torch.no_grad():
+        torch.testing.assert_close(summed_token_loss(reloaded, batch, CPU), ours_loss, rtol=1e-6, atol=0)

@@ -89,10 +89,32 @@ def test_logits_only_where_labels_exist_give_the_full_loss(setup):
     """`logits_to_keep` skips the prompt prefix: same loss as projecting every position."""
     reft_model, dataset, collate = setup
     batch = collate([dataset[i] for i in range(4)])
-    full = dict(batch, min_prompt_length=1)  # keep every position's logits
+    full = dict(batch, first_label_position=1)  # keep every position's logits
     with torch.no_grad():
         assert summed_token_loss(reft_model, batch, torch.device("cpu")).item() == pytest.approx(
             summed_token_loss(reft_model, full, torch.device("cpu")).item(), rel=1e-12)
+
+
+def test_edited_labels_are_all_in_the_loss(setup):
+    """A copy of the collator that labels other tokens (here the last 3 prompt tokens too): the loss counts
+    exactly the labels it marks, none cut away by `logits_to_keep`."""
+    reft_model, dataset, collate = setup
+
+    class EditedCollator(Collator):
+        def example_labels(self, example, ids):
+            labels = ids.clone()
+            labels[: example["prompt_length"] - 3] = -100
+            return labels
+
+    edited = EditedCollator(collate.pad_token_id, POSITION, False, num_layers=2)
+    examples = [dataset[i] for i in range(4)]
+    batch = edited(examples)
+    assert batch["first_label_position"] == min(example["prompt_length"] for example in examples) - 3
+    with torch.no_grad():
+        losses = token_losses(reft_model, batch, torch.device("cpu"))
+        full = token_losses(reft_model, dict(batch, first_label_position=1), torch.device("cpu"))
+    assert int((losses != 0).sum()) == batch["num_label_tokens"] > collate(examples)["num_label_tokens"]
+    assert losses.sum().item() == pytest.approx(full.sum().item(), rel=1e-12)
 
 
 def test_rounded_padding_changes_neither_loss_nor_gradients(setup):
@@ -133,7 +155,7 @@ def test_right_padding_needs_no_attention_mask(tiny_model, tiny_data):
         (losses.sum() / batch["num_label_tokens"]).backward()
         results.append((losses.detach(), [p.grad.clone() for p in parameters]))
     (masked, masked_grads), (unmasked, unmasked_grads) = results
-    labelled = batch["labels"][:, batch["min_prompt_length"]:] != -100
+    labelled = batch["labels"][:, batch["first_label_position"]:] != -100
     assert int(labelled.sum()) == batch["num_label_tokens"] and (masked[~labelled] == 0).all()
     torch.testing.assert_close(unmasked[labelled], masked[labelled], rtol=0, atol=1e-6)
     for expected, actual in zip(masked_grads, unmasked_grads):
@@ -157,3 +179,33 @@ def test_scatter_on_device_is_pyvenes_write(setup):
     assert torch.equal(ours_loss, pyvenes_loss)
     for expected, actual in zip(pyvenes, ours):
         assert torch.equal(actual, expected)
+
+
+def test_a_penalty_over_the_intervened_positions_needs_their_mask(setup):
+    """A loss term over the intervened positions (here the squared norm of the last intervened layer's output
+    there), summed per micro-batch on two 'ranks' as DDP sums gradients: under `intervention_mask` the same
+    gradient as one process's whole batch; summed over the padded positions too, another one (how many there
+    are, and where, depends on how the step is cut)."""
+    reft_model, dataset, collate = setup
+    examples = [dict(dataset[i]) for i in range(4)]
+    examples[1]["prompt_length"] = examples[3]["prompt_length"] = 3  # windows f2+l2 do not fit: padded
+    whole, shards = collate(examples), [collate(examples[:2]), collate(examples[2:])]
+    assert not all(mask.all() for mask in whole["intervention_mask"])
+    assert whole["num_intervened_positions"] == sum(shard["num_intervened_positions"] for shard in shards)
+
+    def penalty(batch, masked):
+        locations = batch["intervention_locations"]
+        _, outputs = reft_model({"input_ids": batch["input_ids"], "output_hidden_states": True, "use_cache": False},
+                                unit_locations={"sources->base": (None, locations)})
+        hidden = outputs.hidden_states[3]  # the output of layer 2, the last intervened one
+        rows = torch.arange(hidden.shape[0])[:, None]
+        return sum((hidden[rows, window].pow(2).sum(-1) * (mask if masked else 1)).sum()
+                   for window, mask in zip(locations, batch["intervention_mask"]))
+
+    parameters = [p for _, p in intervention_parameters(reft_model)]
+    for masked in (True, False):
+        one_process = torch.autograd.grad(penalty(whole, masked), parameters)
+        two_ranks = [sum(grads) for grads in zip(*(torch.autograd.grad(penalty(shard, masked), parameters)
+                                                   for shard in shards))]
+        deviation = max(((a - b).norm() / b.norm()).item() for a, b in zip(two_ranks, one_process))
+        assert deviation < 1e-12 if masked else deviation > 1e-3, (masked, deviation)
