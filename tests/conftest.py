@@ -269,6 +269,10 @@ def eval_losses(directory) -> dict[int, float]:
 # near zero; it does not grow with the steps of these runs. A wrong gradient scale or a lost example is far
 # above both.
 RTOL, WEIGHTS_RTOL = 1e-6, 2e-6
+# Over a bf16 base the interventions' float32 output is rounded to bf16: weights a float-noise apart round the
+# same but for the odd element, one bf16 spacing (2^-8) off, and a loss moves by up to 1.6e-5 (measured: DeepSpeed
+# against DDP, an eval loss). A training step moves the eval loss by about 6e-4, 6 times this tolerance.
+BF16_RTOL = 1e-4
 COMPARED = ("loss", "grad_norm", "eval_loss")
 
 
@@ -278,10 +282,10 @@ def logged_values(directory) -> dict[str, dict[int, float]]:
     return {key: {record["step"]: record[key] for record in records if key in record} for key in COMPARED}
 
 
-def assert_same_run(actual_dir, expected_dir, exact: bool = False) -> None:
+def assert_same_run(actual_dir, expected_dir, exact: bool = False, rtol: float = RTOL) -> None:
     """The comparison of every equivalence test: the saved interventions, and the loss, grad norm and eval loss
     at every logged step. `exact` where both runs have the same process count and arithmetic (a resumed run
-    and an uninterrupted one): bit-identical; else within float noise.
+    and an uninterrupted one): bit-identical; else within float noise, `rtol` for the logged values.
 
     The weights alone miss a constant error in the gradient's scale: AdamW divides it out (up to epsilon),
     and the loss is logged before scaling. The gradient norm shows it.
@@ -301,7 +305,7 @@ def assert_same_run(actual_dir, expected_dir, exact: bool = False) -> None:
         if exact:
             assert actual_log[key] == expected_log[key], key
         else:
-            assert actual_log[key] == pytest.approx(expected_log[key], rel=RTOL, abs=0), key
+            assert actual_log[key] == pytest.approx(expected_log[key], rel=rtol, abs=0), key
 
 
 RECIPES = REPO / "examples" / "launch"

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from conftest import (
+    BF16_RTOL,
     DDP,
     FAULTS,
     REPO,
@@ -123,18 +124,17 @@ def ddp_bf16(tiny_model, tiny_data, tmp_path_factory):
 def test_zero_on_a_bf16_base_trains_the_model_of_ddp(tiny_model, tiny_data, tmp_path, ddp_bf16, stage):
     """examples/deepspeed's configs ("bf16": {"enabled": "auto"}) with --dtype bfloat16: the base stays in bf16
     (partitioned in bf16 under ZeRO-3), the interventions and their optimizer state in float32, and the run
-    ends with the DDP run's weights, losses, grad norms and eval losses within float32 noise, the tolerance of
-    every equivalence test. Not bf16's: each rank runs the same bf16 base on the same micro-batches under both,
-    and only the float32 gradients are summed in another order. Such a last-bit difference could still move
-    one bf16 rounding of an intervention's output, one bf16 spacing (2^-8), but does not in these runs
-    (measured: the weights within 1.3e-7, the grad norms within 4e-8, the losses bit-identical). The output
-    loads."""
+    ends with the DDP run's weights within float32 noise, and its losses, grad norms and eval losses within bf16
+    rounding (BF16_RTOL): each rank runs the same bf16 base on the same micro-batches under both, and only the
+    float32 gradients are summed in another order. That last-bit difference can move one bf16 rounding of an
+    intervention's output by a bf16 spacing (2^-8), and with it a loss (measured on an AMX CPU: the weights
+    within 1.3e-7, the training losses bit-identical, one eval loss 1.6e-5 apart). The output loads."""
     result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *DDP, "--dtype", "bfloat16",
                                                       "--deepspeed", config_file(tmp_path, stage))])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"(DeepSpeed ZeRO-{stage})" in result.stdout and "(torch.bfloat16)" in result.stdout
     assert all(tensor.dtype != torch.bfloat16 for tensor in intervention_weights(tmp_path).values())
-    assert_same_run(tmp_path, ddp_bf16)
+    assert_same_run(tmp_path, ddp_bf16, rtol=BF16_RTOL)
     assert_loads_as_outputs(tmp_path, tiny_model)
 
 
