@@ -6,9 +6,11 @@ optimizer and the schedule are ours (the flags), so are the step plan, the batch
 loss: DeepSpeed partitions (ZeRO-1: the optimizer state, ZeRO-2: and the gradients, ZeRO-3: and the
 parameters, the frozen base's included), reduces, clips and steps.
 
-Under ZeRO-3 a module's parameters exist whole only while it runs, gathered by a collective that DeepSpeed
-starts from hooks on the module: every rank must run every forward (evaluation, sample answers), and the
-interventions are gathered on every rank before rank 0 alone reads them for an output or a checkpoint.
+Under ZeRO-3 no rank loads the whole base: it is built on the meta device and each rank reads its partitions
+from the safetensors files (`partition_base`). A module's parameters exist whole only while it runs, gathered
+by a collective that DeepSpeed starts from hooks on the module: every rank must run every forward (evaluation,
+sample answers), and the interventions are gathered on every rank before rank 0 alone reads them for an output
+or a checkpoint.
 
 Checkpoints are ours (alpaca.checkpoint), never DeepSpeed's (its loader unpickles arbitrary objects): the
 optimizer state is written as torch's AdamW writes it without DeepSpeed, full per parameter, assembled from
@@ -133,7 +135,7 @@ def partition_base(model, model_name_or_path: str, config: dict, device: torch.d
 
 def initialize(reft_model, optimizer, scheduler, config: dict):
     """The DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
-    partitions the interventions across the ranks (and the base, unless `partition_base` did)."""
+    partitions the interventions across the ranks (`partition_base` has partitioned the base)."""
     import deepspeed
 
     engine, *_ = deepspeed.initialize(model=ReftModule(reft_model), optimizer=optimizer, lr_scheduler=scheduler,
