@@ -6,9 +6,11 @@ optimizer and the schedule are ours (the flags), so are the step plan, the batch
 loss: DeepSpeed partitions (ZeRO-1: the optimizer state, ZeRO-2: and the gradients, ZeRO-3: and the
 parameters, the frozen base's included), reduces, clips and steps.
 
-Under ZeRO-3 a module's parameters exist whole only while it runs, gathered by a collective that DeepSpeed
-starts from hooks on the module: every rank must run every forward (evaluation, sample answers), and the
-interventions are gathered on every rank before rank 0 alone reads them for an output or a checkpoint.
+Under ZeRO-3 no rank loads the whole base: it is built on the meta device and each rank reads its partitions
+from the safetensors files (`partition_base`). A module's parameters exist whole only while it runs, gathered
+by a collective that DeepSpeed starts from hooks on the module: every rank must run every forward (evaluation,
+sample answers), and the interventions are gathered on every rank before rank 0 alone reads them for an output
+or a checkpoint.
 
 Checkpoints are ours (alpaca.checkpoint), never DeepSpeed's (its loader unpickles arbitrary objects): the
 optimizer state is written as torch's AdamW writes it without DeepSpeed, full per parameter, assembled from
@@ -69,30 +71,73 @@ MODEL_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_siz
               "stage3_param_persistence_threshold": lambda h: 10 * h}
 
 
-def initialize(reft_model, optimizer, scheduler, config: dict):
-    """The DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
-    partitions the base and the interventions across the ranks."""
+def start(config: dict, model, device: torch.device) -> None:
+    """What DeepSpeed needs before its first call: the config's model-sized "auto" values, its view of the
+    process group, and on a CPU no compiler run and memory that goes back to the OS."""
     import importlib
     import warnings
 
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     zero = config["zero_optimization"]
-    if reft_model.model.device.type == "cpu":
+    if device.type == "cpu":
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce as it starts (g++, ~30 s the first
         # time) for its inference all-reduce alone, which training never calls. (Looked up by name: the
         # attribute deepspeed.comm.torch is torch itself.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    if zero["stage"] == 3 and reft_model.model.device.type == "cpu":
-        return_freed_buffers_to_the_os()  # as under --fsdp: each forward gathers and frees whole modules
+        if zero["stage"] == 3:
+            return_freed_buffers_to_the_os()  # as under --fsdp: each forward gathers and frees whole modules
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":
-            zero[key] = rule(reft_model.model.config.get_text_config(decoder=True).hidden_size)
-
+            zero[key] = rule(model.config.get_text_config(decoder=True).hidden_size)
     # DeepSpeed's ZeRO-2 calls collectives under their deprecated names at every step
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed",
                             category=FutureWarning)
     deepspeed.utils.logger.setLevel("WARNING")
+    # over our process group, as deepspeed.initialize does; zero.Init reads the world size from it
+    deepspeed.init_distributed(get_accelerator().communication_backend_name())
+
+
+def partition_base(model, model_name_or_path: str, config: dict, device: torch.device,
+                   cache_dir: str | None = None) -> None:
+    """ZeRO-3's partitions of a base built on the meta device (`load_base_model(..., meta)`), each rank reading
+    only its own from the safetensors files: no rank ever holds the whole base.
+
+    DeepSpeed's way to partition a built module (`zero.Init(module=...)`) allocates each tensor whole,
+    broadcasts it from rank 0 and keeps this rank's partition: here one module at a time, on uninitialized
+    memory, so the largest module (the embeddings) is whole for a moment, as in every forward. Each rank then
+    fills its partition, elements [r n, (r + 1) n) of the flattened tensor (DeepSpeed's layout; the last
+    partition padded), from the files."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from alpaca.sharding import check_loaded, checkpoint_index, place_buffers, read_elements
+
+    index = checkpoint_index(model, model_name_or_path, cache_dir, "ZeRO-3")
+    place_buffers(model, dict(model.named_buffers()), index, device)
+    for module in reversed(list(model.modules())):  # children first: zero.Init converts a module's whole subtree
+        empty = [parameter for parameter in module.parameters(recurse=False) if parameter.is_meta]
+        if empty:  # (a tied parameter is converted once, in the first module met)
+            for parameter in empty:  # in place: the same object, still tied (meta cannot take new `.data`)
+                torch.utils.swap_tensors(parameter, torch.nn.Parameter(torch.empty_like(parameter, device=device),
+                                                                       requires_grad=parameter.requires_grad))
+            deepspeed.zero.Init(module=module, config_dict_or_path=config, dtype=model.dtype)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            partition = parameter.ds_tensor
+            start = partition.numel() * dist.get_rank()
+            stop = min(start + partition.numel(), parameter.ds_numel)
+            if start < stop:
+                partition[:stop - start].copy_(read_elements(index[name], name, start, stop))
+    check_loaded(model)
+
+
+def initialize(reft_model, optimizer, scheduler, config: dict):
+    """The DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
+    partitions the interventions across the ranks (`partition_base` has partitioned the base)."""
+    import deepspeed
+
     engine, *_ = deepspeed.initialize(model=ReftModule(reft_model), optimizer=optimizer, lr_scheduler=scheduler,
                                       config=config)
     return engine

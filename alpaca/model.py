@@ -162,9 +162,11 @@ def check_model(args) -> str:
     return path
 
 
-def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None):
+def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
+                    reader: str = "--fsdp"):
     """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set).
-    On the meta device the weights are not read: `alpaca.sharding.load_shards` fills the sharded model."""
+    On the meta device the weights are not read: `reader` fills each rank's part later (--fsdp:
+    `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.deepspeed.partition_base`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_name_or_path, cache_dir)
@@ -174,7 +176,7 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
     if device.type == "meta":
-        return empty_base_model(path, dtype, cache_dir), tokenizer
+        return empty_base_model(path, dtype, cache_dir, reader), tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)
     model.requires_grad_(False)
     model.eval()

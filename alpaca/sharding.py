@@ -1,10 +1,13 @@
-"""--fsdp without a full copy of the base on any rank: build it on the meta device, shard it, then fill
-each rank's shards straight from the checkpoint's safetensors files.
+"""--fsdp and ZeRO-3 without a full copy of the base on any rank: build it on the meta device, shard (or
+partition) it, then fill each rank's part straight from the checkpoint's safetensors files.
 
     model = empty_base_model(path, dtype, cache_dir)     # parameters on meta, buffers computed on the CPU
     reft_model = build_reft_model(model, ...)             # pyvene finds its hooks by the model's class
     shard_base_model(model, device)                       # alpaca.strategy: fully_shard, still on meta
     load_shards(model, path, device, cache_dir)           # allocate the local shards, read only their slices
+
+ZeRO-3 (alpaca.deepspeed.partition_base) partitions each tensor flat instead, and reads each rank's range of
+elements with `read_elements`.
 
 Under DDP the weights stay file-backed (a memory map, shared by the ranks through the page cache); a
 sharded rank instead holds its shards as private memory, so it must never hold more than its shards plus
@@ -15,6 +18,7 @@ only those to the training dtype.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -23,13 +27,15 @@ import torch
 from alpaca.errors import UsageError
 
 
-def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str | None = None):
+def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str | None = None,
+                     reader: str = "--fsdp"):
     """The base model with its parameters on the meta device (no memory) and its buffers computed on the
-    CPU as usual (rotary tables: small, and not all of them are in the checkpoint). Frozen, eval mode."""
+    CPU as usual (rotary tables: small, and not all of them are in the checkpoint). Frozen, eval mode.
+    `reader` is the flag that reads it in parts (--fsdp, ZeRO-3), named by the errors."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    safetensors_index(model_name_or_path, cache_dir)  # no safetensors: say so now, not after the sharding
+    safetensors_index(model_name_or_path, cache_dir, reader)  # no safetensors: say so now, not after the sharding
     config = AutoConfig.from_pretrained(model_name_or_path, cache_dir=cache_dir)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -39,7 +45,8 @@ def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str
     return model
 
 
-def safetensors_index(model_name_or_path: str, cache_dir: str | None = None) -> dict[str, Path]:
+def safetensors_index(model_name_or_path: str, cache_dir: str | None = None,
+                      reader: str = "--fsdp") -> dict[str, Path]:
     """Each tensor name of the checkpoint and the safetensors file that holds it: from a local directory,
     or from a hub name's cached snapshot (downloaded once per node by the first caller)."""
     from safetensors import safe_open
@@ -56,8 +63,8 @@ def safetensors_index(model_name_or_path: str, cache_dir: str | None = None) -> 
         return {name: directory / file for name, file in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise UsageError(f"--fsdp reads each rank's shards from safetensors files; {model_name_or_path} has none "
-                         "(convert it with save_pretrained, or train without --fsdp)")
+        raise UsageError(f"{reader} reads each rank's shards from safetensors files; {model_name_or_path} has none "
+                         f"(convert it with save_pretrained, or train without {reader})")
     index = {}
     for file in files:
         with safe_open(file, framework="pt") as opened:
@@ -70,35 +77,17 @@ def load_shards(model: torch.nn.Module, model_name_or_path: str, device: torch.d
     """Allocate the local shards of a model sharded on the meta device (`fully_shard`) and fill them, each
     rank reading only its own slice of each tensor. Buffers keep the values computed at construction
     unless the checkpoint has them. Tied parameters stay tied (one parameter, filled once)."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
     # local shape and offset of a DTensor's local part, as torch's distributed checkpoint computes them
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    index = safetensors_index(model_name_or_path, cache_dir)
-    parameters = dict(model.named_parameters())  # tied parameters appear once, under their first name
-    missing = [name for name in parameters if name not in index]
-    if missing:
-        more = f" and {len(missing) - 1} more" if missing[1:] else ""
-        raise UsageError(f"--fsdp reads each rank's shards from safetensors files by tensor name; "
-                         f"{model_name_or_path} lacks {missing[0]!r}{more} (a checkpoint that transformers "
-                         "converts while loading): train without --fsdp")
-    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    index = checkpoint_index(model, model_name_or_path, cache_dir, "--fsdp")
+    buffers = dict(model.named_buffers())
     model.to_empty(device=device)  # uninitialized memory for the local shards only (and the buffers)
-    for name, buffer in buffers.items():
-        module_name, _, buffer_name = name.rpartition(".")
-        model.get_submodule(module_name)._buffers[buffer_name] = buffer.to(device)
-
-    def read(name: str, rows: slice | None = None) -> torch.Tensor:
-        # safe_open maps the whole file; the pages a read touches count in this rank's resident memory
-        # until the map is closed. So one map per tensor: the file pages resident at once are one slice's.
-        with safe_open(index[name], framework="pt") as opened:
-            tensor_slice = opened.get_slice(name)
-            return tensor_slice[:] if rows is None else tensor_slice[rows]
-
+    place_buffers(model, buffers, index, device)
     with torch.no_grad():
-        for name, parameter in parameters.items():
+        for name, parameter in model.named_parameters():  # tied parameters appear once, under their first name
             if isinstance(parameter, DTensor):
                 local = parameter.to_local()
                 shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
@@ -106,12 +95,65 @@ def load_shards(model: torch.nn.Module, model_name_or_path: str, device: torch.d
                 if any(start for start in offset[1:]) or tuple(local.shape) != tuple(shape):
                     raise NotImplementedError(f"{name}: only row-wise shards (FSDP's Shard(0)) are read")
                 if local.numel():
-                    local.copy_(read(name, slice(offset[0], offset[0] + shape[0])))
+                    local.copy_(read_rows(index[name], name, slice(offset[0], offset[0] + shape[0])))
             else:
-                parameter.copy_(read(name))
-        for name, buffer in model.named_buffers():
-            if name in index:
-                buffer.copy_(read(name))
+                parameter.copy_(read_rows(index[name], name))
+    check_loaded(model)
+
+
+def checkpoint_index(model: torch.nn.Module, model_name_or_path: str, cache_dir: str | None,
+                     reader: str) -> dict[str, Path]:
+    """safetensors_index, checked to hold every parameter of `model` under its name."""
+    index = safetensors_index(model_name_or_path, cache_dir, reader)
+    missing = [name for name, _ in model.named_parameters() if name not in index]
+    if missing:
+        more = f" and {len(missing) - 1} more" if missing[1:] else ""
+        raise UsageError(f"{reader} reads each rank's shards from safetensors files by tensor name; "
+                         f"{model_name_or_path} lacks {missing[0]!r}{more} (a checkpoint that transformers "
+                         f"converts while loading): train without {reader}")
+    return index
+
+
+def place_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], index: dict[str, Path],
+                  device: torch.device) -> None:
+    """Each of `buffers` (name: the value computed at construction) onto `device` in `model`, with the
+    checkpoint's value where it has one."""
+    for name, buffer in buffers.items():
+        module_name, _, buffer_name = name.rpartition(".")
+        placed = buffer.to(device)
+        if name in index:
+            placed.copy_(read_rows(index[name], name))
+        model.get_submodule(module_name)._buffers[buffer_name] = placed
+
+
+def read_rows(file: Path, name: str, rows: slice | None = None) -> torch.Tensor:
+    """Tensor `name` of a safetensors file, or only its `rows`. safe_open maps the whole file; the pages a
+    read touches count in this rank's resident memory until the map is closed. So one map per read: the file
+    pages resident at once are one slice's."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as opened:
+        tensor_slice = opened.get_slice(name)
+        return tensor_slice[:] if rows is None else tensor_slice[rows]
+
+
+def read_elements(file: Path, name: str, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) of tensor `name` flattened (a ZeRO-3 partition), read as the whole rows that
+    hold them: at most part of a row more on either side."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as opened:
+        tensor_slice = opened.get_slice(name)
+        shape = tensor_slice.get_shape()
+        if not shape:  # a scalar
+            return opened.get_tensor(name).reshape(1)[start:stop]
+        row = math.prod(shape[1:])
+        first = start // row
+        held = tensor_slice[first:-(-stop // row)].reshape(-1)
+    return held[start - first * row:stop - first * row]
+
+
+def check_loaded(model: torch.nn.Module) -> None:
     left_on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
     if left_on_meta:
         raise RuntimeError(f"{len(left_on_meta)} tensors of the base were never loaded, e.g. {left_on_meta[0]}")

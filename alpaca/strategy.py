@@ -145,7 +145,8 @@ class FSDP(Strategy):
 class ZeRO(Strategy):
     """DeepSpeed ZeRO with our optimizer and schedule (alpaca.deepspeed): stage 1 partitions the optimizer
     state, 2 the gradients too, 3 the parameters too (the frozen base's included). The engine reduces, clips
-    and steps, inside the backward of the step's last micro-batch."""
+    and steps, inside the backward of the step's last micro-batch. Under ZeRO-3 the base is built on the meta
+    device and each rank reads only its partitions (`partition_base`), as under FSDP."""
 
     def __init__(self, config: dict, path: str, device: torch.device, max_grad_norm: float,
                  dtype: torch.dtype) -> None:
@@ -155,9 +156,19 @@ class ZeRO(Strategy):
         self.shards_base = zero.stage(config) == 3
         self.layout = f"{'sharded' if self.shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(config)})"
 
+    def load_base(self, model_path, dtype, cache_dir):
+        if not self.shards_base:
+            return super().load_base(model_path, dtype, cache_dir)
+        self.model_path, self.cache_dir = model_path, cache_dir
+        return load_base_model(model_path, dtype, torch.device("meta"), cache_dir, reader="ZeRO-3")
+
     def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
         self.reft_model, self.optimizer = reft_model, optimizer
         self.parameter_groups = [list(group["params"]) for group in optimizer.param_groups]  # DeepSpeed swaps them
+        zero.start(self.config, reft_model.model, self.device)
+        if self.shards_base:
+            zero.partition_base(reft_model.model, self.model_path, self.config, self.device, self.cache_dir)
+            reft_model.interventions.to(self.device)  # left on the CPU by a base built on meta
         self.engine = zero.initialize(reft_model, optimizer, scheduler, self.config)
         if optimizer_state is not None:  # into the partitions, which exist once the engine does
             zero.load_optimizer_state(self.engine, optimizer, self.parameter_groups, optimizer_state)

@@ -1,23 +1,31 @@
 """Under torchrun: build each MODEL_DIR's model on the meta device, shard it with --fsdp's functions and load
-each rank's shards; then check it against the model transformers loads whole, in one process.
+each rank's shards, and partition it with ZeRO-3's (alpaca.deepspeed.partition_base); then check both against
+the model transformers loads whole, in one process.
 
     torchrun --nproc_per_node N tests/sharded_load.py MODEL_DIR [MODEL_DIR ...]
 
 Checks: every parameter (gathered) and buffer equals the whole model's, tied parameters are still one
-parameter, nothing is left on the meta device, and the sharded forward gives the whole model's logits.
-Prints "ok" on rank 0, for each model.
+parameter, nothing is left on the meta device, and the sharded (gathered) forward gives the whole model's
+logits. Under ZeRO-3, each parameter is this rank's partition alone once loaded, and the rank has read from
+the files no more than its partitions (and the parts of rows around them): never a whole tensor that it does
+not own. Prints "ok" on rank 0, for each model and strategy.
 """
 
+import math
 import os
 import sys
 from pathlib import Path
 
+import read_count  # before transformers imports safetensors' reader
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
+import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from alpaca.deepspeed import partition_base, start  # noqa: E402
 from alpaca.distributed import process_group  # noqa: E402
 from alpaca.model import build_reft_model  # noqa: E402
 from alpaca.sharding import empty_base_model, load_shards  # noqa: E402
@@ -50,3 +58,33 @@ with process_group("gloo", 300, cpu):
             torch.testing.assert_close(sharded(input_ids=ids).logits, whole(input_ids=ids).logits)
         if int(os.environ["RANK"]) == 0:
             print(f"ok: {dist.get_world_size()} ranks, tied={tied}")
+
+        # ZeRO-3: the persistence threshold at its "auto" value (10 x hidden): the norms stay whole in training,
+        # and are partitioned at load like the rest.
+        world = dist.get_world_size()
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}}
+        partitioned = empty_base_model(model_dir, torch.float32, reader="ZeRO-3")
+        build_reft_model(partitioned, "1", (1, 1), False, rank=2)
+        start(config, partitioned, cpu)
+        read_before = read_count.bytes_read()
+        partition_base(partitioned, model_dir, config, cpu)
+        read = read_count.bytes_read() - read_before
+        assert (partitioned.lm_head.weight is partitioned.get_input_embeddings().weight) == tied, "tying changed"
+        assert not any(t.is_meta for t in [*partitioned.parameters(), *partitioned.buffers()]), "left on meta"
+        owned = 0  # bytes of this rank's partitions, plus the rest of the rows they start and end in
+        for name, expected in whole.named_parameters():
+            actual = partitioned.get_parameter(name)
+            partition_numel = math.ceil(expected.numel() / world)
+            assert actual.numel() == 0 and actual.ds_tensor.numel() == partition_numel, name
+            row = expected[0].numel() if expected.dim() else 1
+            owned += (partition_numel + 2 * row) * expected.element_size()
+            with deepspeed.zero.GatheredParameters([actual]):
+                torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+        assert read <= owned, f"rank {dist.get_rank()} read {read} bytes, its partitions {owned}"
+        for name, expected in whole.named_buffers():
+            torch.testing.assert_close(partitioned.get_buffer(name), expected, rtol=0, atol=0, msg=name)
+        with deepspeed.zero.GatheredParameters(list(partitioned.parameters())), torch.no_grad():
+            torch.testing.assert_close(partitioned(input_ids=ids).logits, whole(input_ids=ids).logits)
+        if int(os.environ["RANK"]) == 0:
+            print(f"ok: ZeRO-3, {world} ranks, tied={tied}")

@@ -2,6 +2,8 @@
 its checkpoints, and clear errors for configs that cannot work."""
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from alpaca.model import load_base_model
 from alpaca.output import load_reft_model
 
 CONFIGS = REPO / "examples" / "deepspeed"
+READ_COUNT = str(REPO / "tests" / "read_count.py")
 ZERO2 = CONFIGS / "zero2.json"
 
 
@@ -79,7 +82,10 @@ def test_zero3_resumes_a_single_process_checkpoint_to_the_ddp_model(runs, tmp_pa
     checkpoint every 2 steps) is resumed at step 4 under ZeRO-3 on 2 ranks. The run ends with the DDP run's
     weights and logged values (float noise), writes checkpoints (6, 8) whose optimizer state is the
     one-process run's and which load as outputs. Each rank holds half the base's parameter bytes, and both run
-    every forward of the evaluation (3 batches: 2 on rank 0, 1 on rank 1) and of the sample answer."""
+    every forward of the evaluation (3 batches: 2 on rank 0, 1 on rank 1) and of the sample answer. No rank
+    ever loads the whole base: each reads only its partitions from the model's safetensors files (counted by
+    tests/read_count.py: half of each tensor, rounded up, and at most the rest of the rows it starts and ends
+    in)."""
     root, data = runs
     every_2_steps = ["--save_strategy", "steps", "--save_steps", "2"]
     single = tmp_path / "single"
@@ -87,8 +93,9 @@ def test_zero3_resumes_a_single_process_checkpoint_to_the_ddp_model(runs, tmp_pa
                                                     "2", "--gradient_accumulation_steps", "4", *every_2_steps])
     assert status == 0, stderr[-3000:]
     output_dir = copy_as_killed(single, tmp_path / "out", 4)
-    result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(output_dir), "--per_device_train_batch_size",
-                          "2", "--gradient_accumulation_steps", "2", *every_2_steps, "--deepspeed",
+    result = torchrun(2, [READ_COUNT, "train_multigpu.py", *data, "--output_dir", str(output_dir),
+                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *every_2_steps,
+                          "--deepspeed",
                           str(config_file(tmp_path, 3)), "--num_sample_answers", "1", "--max_new_tokens", "4",
                           "--resume_from_checkpoint", "auto"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -97,6 +104,9 @@ def test_zero3_resumes_a_single_process_checkpoint_to_the_ddp_model(runs, tmp_pa
     base_bytes = [json.loads((path / "training_args.json").read_text())["base_parameter_bytes_per_rank"]
                   for path in (output_dir, root / "ddp")]
     assert base_bytes[0] == pytest.approx(base_bytes[1] / 2, rel=0.02), base_bytes
+    bytes_read = [int(count) for count in re.findall(r"safetensors bytes read: (\d+)", result.stderr)]
+    whole, owned = checkpoint_bytes(tiny_tied_model, world_size=2)
+    assert len(bytes_read) == 2 and all(whole / 2 <= read <= owned for read in bytes_read), (bytes_read, whole, owned)
     assert "rank 0: " in result.stdout and "Instruction: Name three primary colors." in result.stdout
     for name in ("checkpoint-6", "checkpoint-8"):
         saved, uninterrupted = (torch.load(path / name / TRAINER_STATE, weights_only=True)["optimizer"]
@@ -109,6 +119,22 @@ def test_zero3_resumes_a_single_process_checkpoint_to_the_ddp_model(runs, tmp_pa
                 deviation = (saved["state"][index][key] - state[key]).norm() / state[key].norm()
                 assert deviation <= 1e-4, (name, index, key, deviation.item())
     assert_loads_as_outputs(output_dir, tiny_tied_model)
+
+
+def checkpoint_bytes(model_dir, world_size: int) -> tuple[int, int]:
+    """The bytes of the tensors in the model's safetensors files, and those of one rank's ZeRO-3 partition of
+    each (1/world_size of it, rounded up) with the rest of the rows it starts and ends in."""
+    from safetensors import safe_open
+
+    whole = owned = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as opened:
+            for name in opened.keys():
+                tensor = opened.get_tensor(name)
+                row = tensor[0].numel() if tensor.dim() else 1
+                whole += tensor.nbytes
+                owned += (math.ceil(tensor.numel() / world_size) + 2 * row) * tensor.element_size()
+    return whole, owned
 
 
 @pytest.fixture(scope="module")

@@ -118,10 +118,11 @@ def test_fsdp_resume_from_an_end_of_epoch_checkpoint_after_a_killed_rank(tiny_mo
 
 
 def test_sharded_load_gives_the_checkpoints_weights(tmp_path):
-    """--fsdp's load on 3 ranks: built on meta, sharded, each rank reading its slices of the safetensors file.
-    The gathered weights, buffers and logits are those of the model loaded whole, with untied and with tied
-    embeddings (which stay one parameter); every sharded dimension (301 vocabulary rows, 64 and 128 hidden)
-    splits unevenly over 3 ranks. (Two ranks load this way in every --fsdp run of the tests.)"""
+    """--fsdp's load and ZeRO-3's on 3 ranks: built on meta, sharded (partitioned), each rank reading its slices
+    of the safetensors file. The gathered weights, buffers and logits are those of the model loaded whole, with
+    untied and with tied embeddings (which stay one parameter); every sharded dimension (301 vocabulary rows, 64
+    and 128 hidden) splits unevenly over 3 ranks, and so do ZeRO-3's flat partitions. A ZeRO-3 rank holds and
+    has read only its partitions. (Two ranks load this way in every --fsdp and ZeRO-3 run of the tests.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     for tied in (False, True):
@@ -134,16 +135,23 @@ def test_sharded_load_gives_the_checkpoints_weights(tmp_path):
                           str(tmp_path / "tied-True")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ok: 3 ranks, tied=False" in result.stdout and "ok: 3 ranks, tied=True" in result.stdout
+    assert "ok: ZeRO-3, 3 ranks, tied=False" in result.stdout and "ok: ZeRO-3, 3 ranks, tied=True" in result.stdout
 
 
-def test_fsdp_needs_safetensors(tiny_model, tiny_data, tmp_path):
+@pytest.mark.parametrize("strategy", [["--fsdp"], ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")]],
+                         ids=["fsdp", "zero3"])
+def test_fsdp_and_zero3_need_safetensors(tiny_model, tiny_data, tmp_path, strategy):
+    """Both read each rank's part of the base from safetensors files: a model without them is refused in one
+    line, before any weight loads."""
+    reader = "--fsdp" if strategy == ["--fsdp"] else "ZeRO-3"
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     for file in tiny_model.iterdir():
         if file.suffix != ".safetensors":
             (model_dir / file.name).write_bytes(file.read_bytes())
     status, _, stderr = run_in_process("train_multigpu.py", [
-        "--model_name_or_path", model_dir, "--data_path", tiny_data, "--output_dir", tmp_path / "out", "--fsdp",
+        "--model_name_or_path", model_dir, "--data_path", tiny_data, "--output_dir", tmp_path / "out", *strategy,
         "--layers", "1;2"])
     assert status == 2, stderr[-3000:]
-    assert "--fsdp reads each rank's shards from safetensors files" in stderr
+    assert f"{reader} reads each rank's shards from safetensors files" in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
