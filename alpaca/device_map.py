@@ -85,13 +85,13 @@ class DeviceMap:
 
 
 def check_covers(device_map: dict, model_path: str, dtype: torch.dtype, cache_dir: str | None) -> None:
-    """Every name of a JSON map is a module or tensor of the model, and every parameter and buffer is placed by
-    one (the map's longest prefix of its name): accelerate would silently skip an unknown name, and leave an
-    unplaced buffer (rotary tables) where it was built."""
+    """Every name of a JSON map is a module or tensor of the model, and every tensor of its state dict (a tied
+    LM head's too, as accelerate checks) and every buffer is placed by one: accelerate would silently skip an
+    unknown name, and leave an unplaced buffer (rotary tables) where it was built."""
     from alpaca.sharding import empty_base_model
 
     model = empty_base_model(model_path, dtype, cache_dir)
-    tensors = [name for name, _ in (*model.named_parameters(), *model.named_buffers())]
+    tensors = list(dict.fromkeys([*model.state_dict(keep_vars=True), *(name for name, _ in model.named_buffers())]))
     known = {name for name, _ in model.named_modules()} | set(tensors)
     unknown = [name for name in device_map if name not in known]
     if unknown:

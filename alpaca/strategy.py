@@ -244,7 +244,7 @@ def no_forward_buffer_sync() -> dict[str, bool]:
 
 def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> None:
     """All ranks hold identical interventions before the first step (a collective)."""
-    checksum = torch.stack([p.detach().double().sum() for p in parameters]).to(device)
+    checksum = torch.stack([p.detach().double().sum().to(device) for p in parameters])  # from every device of a map
     lowest, highest = checksum.clone(), checksum.clone()
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
@@ -254,7 +254,7 @@ def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> No
 
 def local_parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
-    partitions), the rest whole."""
+    partitions), none of those a device map keeps on disk (on the meta device between forwards), the rest whole."""
     from torch.distributed.tensor import DTensor
 
     def held(parameter: torch.Tensor) -> int:
@@ -264,7 +264,7 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
         # parameters below stage3_param_persistence_threshold stay whole)
         return parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
 
-    return sum(held(parameter) for parameter in module.parameters())
+    return sum(held(parameter) for parameter in module.parameters() if parameter.device.type != "meta")
 
 
 def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[int],

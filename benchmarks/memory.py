@@ -1,7 +1,9 @@
-"""Host memory per rank: DDP, --fsdp and --deepspeed ZeRO-2 and ZeRO-3, on 1, 2 and 4 processes (CPU, gloo).
+"""Host memory per rank: DDP, --fsdp, --deepspeed ZeRO-2 and ZeRO-3, and DDP with half the base offloaded to disk
+by --device_map ("disk"), on 1, 2 and 4 processes (CPU, gloo).
 
     python benchmarks/memory.py                                   # SmolLM2 and a random 0.49B model, all
     python benchmarks/memory.py --models smollm2 --nproc 2 --strategies ddp fsdp
+    python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp disk
 
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
 runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
@@ -32,7 +34,9 @@ sys.path.insert(0, str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
 STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
               "zero2": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")],
-              "zero3": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")]}
+              "zero3": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")],
+              # --device_map auto with CPU memory for half a copy (--max_memory, in `measure`): the rest on disk
+              "disk": ["--device_map", "auto"]}
 # hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
 # in float32
 RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
@@ -106,14 +110,19 @@ def workers(launcher_pid: int) -> dict[int, int]:
 
 
 def measure(model_dir: Path, strategy: str, nproc: int, args: argparse.Namespace, layers: str) -> list[dict]:
-    """One training run; per rank: peak VmHWM and RssAnon (bytes) and its base parameter bytes."""
+    """One training run; per rank: peak VmHWM and RssAnon (bytes), its base parameter bytes in memory and its
+    tokens/s."""
     with tempfile.TemporaryDirectory(prefix="memory-") as output_dir:
+        placement = STRATEGIES[strategy]
+        if strategy == "disk":
+            placement = [*placement, "--max_memory", json.dumps({"cpu": one_copy_bytes(model_dir) // 2}),
+                         "--offload_folder", str(Path(output_dir) / "offload")]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    str(REPO / "train_multigpu.py"), "--model_name_or_path", str(model_dir), "--data_path",
                    args.data_path, "--output_dir", output_dir, "--max_steps", str(args.steps),
                    "--per_device_train_batch_size", "1", "--max_n_train_example", "64", "--layers", layers,
                    "--num_sample_answers", "0", "--logging_steps", "1", "--dtype", "float32",
-                   *STRATEGIES[strategy]]
+                   *placement]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
         launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
@@ -130,11 +139,12 @@ def measure(model_dir: Path, strategy: str, nproc: int, args: argparse.Namespace
         if launcher.returncode != 0:
             raise SystemExit(f"{strategy} on {nproc} processes failed:\n{output[-3000:]}")
         # The last line of train_multigpu.py's report: "rank r: ... tok/s, peak ... GiB, base X MiB".
-        base_mib = {int(r): float(b) for r, b in re.findall(r"rank (\d+): [\d.]+ tok/s, peak [\d.]+ GiB, base "
-                                                             r"([\d.]+) MiB", output)}
+        reported = {int(r): (float(t), float(b)) for r, t, b in re.findall(
+            r"rank (\d+): ([\d.]+) tok/s, peak [\d.]+ GiB, base ([\d.]+) MiB", output)}
     by_rank = {rank: peaks.get(pid, {}) for pid, rank in ranks.items()}
     return [dict(rank=rank, hwm=by_rank[rank].get("VmHWM", 0) * 1024, anon=by_rank[rank].get("RssAnon", 0) * 1024,
-                 params=base_mib.get(rank, float("nan")) * 2**20) for rank in sorted(by_rank)]
+                 params=reported.get(rank, (0, float("nan")))[1] * 2**20,
+                 tokens_per_s=reported.get(rank, (float("nan"),))[0]) for rank in sorted(by_rank)]
 
 
 def main() -> None:
@@ -153,7 +163,7 @@ def main() -> None:
             copy = one_copy_bytes(model_dir)
             print(f"\n{model_name}: one copy = {copy / 2**30:.2f} GiB (float32)\n"
                   f"{'processes':>9} {'strategy':>8} | {'peak RSS (VmHWM) per rank':>34} | "
-                  f"{'peak anonymous RSS per rank':>34} | {'base params per rank':>28}", flush=True)
+                  f"{'peak anonymous RSS per rank':>34} | {'base params per rank':>28} | tokens/s per rank", flush=True)
             for nproc in args.nproc:
                 for strategy in args.strategies:
                     ranks = measure(model_dir, strategy, nproc, args, layers)
@@ -163,8 +173,9 @@ def main() -> None:
                         return (" / ".join(f"{f / 2**30:.2f}" for f in figures) + " GiB ("
                                 + " / ".join(f"{f / copy:.2f}" for f in figures) + "x)")
 
+                    rates = " / ".join(f"{r['tokens_per_s']:.0f}" for r in ranks)
                     print(f"{nproc:>9} {strategy:>8} | {cells('hwm'):>34} | {cells('anon'):>34} | "
-                          f"{cells('params'):>28}", flush=True)
+                          f"{cells('params'):>28} | {rates}", flush=True)
                     rows.append(dict(model=model_name, nproc=nproc, strategy=strategy, one_copy=copy, ranks=ranks))
         print("\n" + json.dumps(rows))
 

@@ -1,36 +1,26 @@
 """--device_map: with one device type a device map changes no arithmetic. On CPU, decoder layers offloaded to disk
 (layer 2 intervened, layer 0 not) train bit-identically the plain run's weights, losses and grad norms, on one
-process and on two DDP ranks; their weights really are off memory (on the meta device) between forwards."""
+process and on two DDP ranks (that one in tests/test_recipes.py, through examples/launch/device_map.sh); their
+weights really are off memory (on the meta device) between forwards."""
 
-import json
 import sys
 
 import torch
 from conftest import (
+    OFFLOADED,
     SINGLE,
     assert_same_run,
     copy_as_killed,
+    disk_map,
     flags,
-    recipe,
     run_in_process,
     torchrun,
 )
 
-from alpaca.args import parse_args
+from alpaca.args import parse_args, resolve_device_defaults
 from alpaca.loss import summed_token_loss
 from alpaca.model import decoder_layers, intervention_parameters
 from alpaca.strategy import choose_strategy
-
-OFFLOADED = (0, 2)  # --layers 1;2 intervenes on 1 and 2
-
-
-def disk_map(tied: bool = False) -> str:
-    """The tiny Llama's modules, layers OFFLOADED on disk and the rest in CPU memory; a tied LM head is the
-    embeddings' parameter (placed with it)."""
-    modules = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm", "model.rotary_emb",
-               *([] if tied else ["lm_head"])]
-    return json.dumps({name: "disk" if name in {f"model.layers.{i}" for i in OFFLOADED} else "cpu"
-                       for name in modules})
 
 
 def test_layers_on_disk_train_the_plain_run_exactly_and_resume_exactly(reference, tiny_model, tiny_data, tmp_path):
@@ -49,20 +39,6 @@ def test_layers_on_disk_train_the_plain_run_exactly_and_resume_exactly(reference
     assert_same_run(resumed, reference / "single", exact=True)
 
 
-def test_device_map_recipe_on_two_ranks_trains_the_ddp_run_exactly(runs, tmp_path):
-    """examples/launch/device_map.sh with 2 processes, each placing the tied-embeddings model with layers on disk:
-    DDP over the spread module trains `runs`' two-rank run bit for bit (evaluated at steps 4, 8, 9), and the sample
-    answers at the end run through the map."""
-    root, data = runs
-    result = recipe("device_map.sh", [*data, "--num_sample_answers", "1", "--max_new_tokens", "4"],
-                    {"OUTPUT_DIR": str(tmp_path / "map"), "NPROC": "2", "DEVICE_MAP": disk_map(tied=True),
-                     "OFFLOAD_FOLDER": str(tmp_path / "offload")})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "x 2 accumulation" in result.stdout and "REFT MODEL" in result.stdout
-    assert "replicated (DDP), on each rank by --device_map (cpu: 5 modules, disk: 2 modules)" in result.stdout
-    assert_same_run(tmp_path / "map", root / "ddp", exact=True)
-
-
 def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tiny_data, tmp_path):
     """Loaded as train.py loads it: the offloaded layers' parameters are on the meta device (no memory) before a
     forward, after it and after the backward, the others in CPU memory; yet the loss and the interventions'
@@ -72,6 +48,7 @@ def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tin
     def loss_and_gradients(*placement: str):
         args = parse_args("train.py", ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
                                        "--layers", "1;2", "--position", "f2+l2", *placement])
+        resolve_device_defaults(args, "cpu")
         strategy = choose_strategy(args, torch.device("cpu"), torch.float32, [], distributed=False)
         _, reft_model, dataset, _, _, collate, _ = train.load_data_and_model(args, strategy, torch.float32, (2, 2))
         train_model = strategy.wrap(reft_model, None, None, None)
