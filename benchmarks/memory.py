@@ -35,8 +35,9 @@ SHARED_DATA = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
 STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
               "zero2": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")],
               "zero3": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")],
-              # --device_map auto with CPU memory for half a copy (--max_memory, in `measure`): the rest on disk
-              "disk": ["--device_map", "auto"]}
+              # --device_map auto with CPU memory for half a copy (--max_memory, in `measure`): the last layers on
+              # disk; "disk_early": the layers before the first intervened one on disk (a JSON map, in `measure`)
+              "disk": ["--device_map", "auto"], "disk_early": []}
 # hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
 # in float32
 RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
@@ -82,6 +83,30 @@ def one_copy_bytes(model_dir: Path, dtype_bytes: int = 4) -> int:
     return numel * dtype_bytes
 
 
+def without_gguf_config(model_dir: Path, directory: Path) -> Path:
+    """The converted default model, its weights linked, its config.json without the GGUF `quantization_config`
+    the conversion keeps (its weights are plain float32): with it transformers refuses any JSON device map with
+    'disk' ("Disk offload is not supported for models loaded from GGUF files")."""
+    directory.mkdir()
+    for file in model_dir.iterdir():
+        (directory / file.name).symlink_to(file)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (directory / "config.json").unlink()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def early_layers_on_disk(model_dir: Path, first_intervened: int) -> str:
+    """A JSON --device_map of a Llama-layout model: the decoder layers before `first_intervened` on disk (no
+    gradient flows through them: their weights are dropped after their forward), the rest on the CPU."""
+    config = json.loads((model_dir / "config.json").read_text())
+    placed = {f"model.layers.{i}": "disk" if i < first_intervened else "cpu"
+              for i in range(config["num_hidden_layers"])}
+    return json.dumps({"model.embed_tokens": "cpu", **placed, "model.norm": "cpu", "model.rotary_emb": "cpu",
+                       "lm_head": "cpu"})
+
+
 def status_kib(pid: int) -> dict[str, int]:
     try:
         text = Path(f"/proc/{pid}/status").read_text()
@@ -115,8 +140,11 @@ def measure(model_dir: Path, strategy: str, nproc: int, args: argparse.Namespace
     with tempfile.TemporaryDirectory(prefix="memory-") as output_dir:
         placement = STRATEGIES[strategy]
         if strategy == "disk":
-            placement = [*placement, "--max_memory", json.dumps({"cpu": one_copy_bytes(model_dir) // 2}),
-                         "--offload_folder", str(Path(output_dir) / "offload")]
+            placement = [*placement, "--max_memory", json.dumps({"cpu": one_copy_bytes(model_dir) // 2})]
+        if strategy == "disk_early":
+            placement = ["--device_map", early_layers_on_disk(model_dir, int(layers.split(";")[0]))]
+        if strategy.startswith("disk"):
+            placement += ["--offload_folder", str(Path(output_dir) / "offload")]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    str(REPO / "train_multigpu.py"), "--model_name_or_path", str(model_dir), "--data_path",
                    args.data_path, "--output_dir", output_dir, "--max_steps", str(args.steps),
@@ -154,7 +182,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memory-model-") as scratch:
         models = {}
         if "smollm2" in args.models:
-            models["SmolLM2-135M"] = (embedded_model_dir(), "8;19")
+            models["SmolLM2-135M"] = (without_gguf_config(embedded_model_dir(), Path(scratch) / "smollm2"), "8;19")
         if "random" in args.models:
             print("Building the random model ...", flush=True)
             models["random 0.49B (bf16 file)"] = (build_random_model(Path(scratch) / "random"), "4;8")
