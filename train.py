@@ -30,26 +30,30 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args) -> None:
-    """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU)."""
+    """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU); with
+    --device_map the base spreads over every visible GPU (and the CPU, disk), the batch entering on the first."""
     import time
 
     import torch
 
     started = time.perf_counter()
+    gpus = []
     if torch.cuda.is_available():
         device = torch.device("cuda:0")
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
-        if torch.cuda.device_count() > 1:
+        gpus = list(range(torch.cuda.device_count())) if args.device_map is not None else [0]
+        if torch.cuda.device_count() > len(gpus):
             print(f"{torch.cuda.device_count()} GPUs visible; train.py uses cuda:0. To train on all of them: "
-                  f"torchrun --nproc_per_node {torch.cuda.device_count()} train_multigpu.py <same flags>")
+                  f"torchrun --nproc_per_node {torch.cuda.device_count()} train_multigpu.py <same flags>, or "
+                  "--device_map auto for a model one GPU cannot hold")
     else:
         device = torch.device("cpu")
-    run(args, device, started)
+    run(args, device, gpus, started)
 
 
-def run(args, device, started: float) -> None:
-    """Everything on the device: data, model, the training loop, the output."""
+def run(args, device, gpus: list[int], started: float) -> None:
+    """Everything on the device (or the devices of a --device_map): data, model, the training loop, the output."""
     import time
 
     import numpy as np
@@ -69,34 +73,34 @@ def run(args, device, started: float) -> None:
     from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
-    from alpaca.model import (
-        describe,
-        intervention_parameters,
-        resolve_dtype,
-    )
-    from alpaca.optim import StepPlan, build_optimizer, clip_and_step
+    from alpaca.model import describe, resolve_dtype
+    from alpaca.optim import StepPlan, build_optimizer
     from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+    from alpaca.strategy import choose_strategy
 
     stop = StopSignal()
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
     dtype = resolve_dtype(args.dtype, device)
+    strategy = choose_strategy(args, device, dtype, gpus, distributed=False)  # on the device, or a --device_map
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
     # -- data and model --------------------------------------------------------------------------------
     tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint = load_data_and_model(
-        args, dtype, position, device)
+        args, strategy, dtype, position)
 
     # -- optimization: global batch = per_device x 1 process x accumulation --------------------------------
     plan = StepPlan.from_args(args, len(dataset), world_size=1)
     optimizer, scheduler = build_optimizer(reft_model, args, plan)
-    step, start_epoch, start_batch, saved_window, wandb_run_id = 0, 0, 0, [0.0, 0.0, 0.0], None
+    step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
     if resume_from is not None:
+        loaded = load_checkpoint(resume_from)
         step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
-            load_checkpoint(resume_from), args, reft_model, optimizer, scheduler, 0, 1, len(dataset), device,
-            fingerprint)
-    parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
-    print(start_line(describe(reft_model, len(dataset), device), plan, args, eval_dataset and len(eval_dataset),
+            loaded, args, reft_model, None, scheduler, 0, 1, len(dataset), device, fingerprint)
+        optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
+    summary = describe(reft_model, len(dataset), strategy.placed if strategy.device_map else device)
+    train_model = strategy.wrap(reft_model, optimizer, scheduler, optimizer_state)
+    print(start_line(summary, plan, args, eval_dataset and len(eval_dataset),
                      resume_from, step, time.perf_counter() - started))
     resolved = dict(world_size=1, global_batch_size=plan.global_batch_size, total_steps=plan.total_steps)
     save_args(args, args.output_dir, **resolved)
@@ -136,10 +140,10 @@ def run(args, device, started: float) -> None:
                 sys.exit(stop.exit_code)
             learning_rate = scheduler.get_last_lr()[0]
             for batch in micro_batches:
-                summed_loss = summed_token_loss(reft_model, batch, device)
-                token_weighted_loss(summed_loss, step_label_tokens).backward()
+                summed_loss = summed_token_loss(train_model, batch, device)
+                strategy.backward(token_weighted_loss(summed_loss, step_label_tokens))
                 window.add(summed_loss, batch)
-            grad_norm = clip_and_step(parameters, optimizer, scheduler, args.max_grad_norm)
+            grad_norm = strategy.step()
             step += 1
             progress.update()
             if plan.should_log(step):
@@ -177,7 +181,7 @@ def run(args, device, started: float) -> None:
     print(f"Done in {time.perf_counter() - started:.0f}s.")
 
 
-def load_data_and_model(args, dtype, position: tuple[int, int], device):
+def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
     """The data and the ReFT model; what can be checked is checked before the model's weights are loaded."""
     import torch
 
@@ -187,14 +191,13 @@ def load_data_and_model(args, dtype, position: tuple[int, int], device):
         build_reft_model,
         check_model,
         enable_gradient_checkpointing,
-        load_base_model,
         num_intervened_layers,
     )
 
     records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
                                         args.max_n_train_example, args.seed, args.field_map)
     model_path = check_model(args)  # --layers and --rank against the model's config, the chat template
-    model, tokenizer = load_base_model(model_path, dtype, device, args.cache_dir)
+    model, tokenizer = strategy.load_base(model_path, dtype, args.cache_dir)
     dataset, eval_dataset = [None if split is None
                              else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir,
                                                   args.prompt_template)

@@ -34,6 +34,7 @@ def train(args) -> None:
 
     import torch
 
+    from alpaca.device_map import gpu_group
     from alpaca.distributed import process_group
 
     started = time.perf_counter()
@@ -45,29 +46,39 @@ def train(args) -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port))
     local_rank = int(os.environ["LOCAL_RANK"])
+    gpus = []  # this process's GPUs: one, or with --device_map an equal group of the node's
     if torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
+        count = torch.cuda.device_count()
         # Every rank of the node sees the same counts and stops here; local rank 0 says why. The others wait
         # for torchrun to stop them, since one leaving first could get rank 0 stopped before it has printed.
         # A launcher without LOCAL_WORLD_SIZE leaves each rank to judge (and report) itself.
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-        if processes > gpus:
+        problem = None
+        if processes > count:
+            problem = (f"{processes} processes on this node but {count} GPU(s) visible; launch with --nproc_per_node "
+                       f"{count}")
+        elif args.device_map is not None and count % processes:
+            divisors = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
+            problem = (f"--device_map gives each process an equal group of the node's GPUs, but {count} GPUs do not "
+                       f"divide among {processes} processes; launch with --nproc_per_node one of {divisors}")
+        if problem:
             reports = local_rank == 0 or "LOCAL_WORLD_SIZE" not in os.environ
             if not reports:
                 wait_for_launcher()
-            sys.exit(f"{PROG}: error: {processes} processes on this node but {gpus} GPU(s) visible; launch with "
-                     f"--nproc_per_node {gpus}" if reports else 2)
-        device = torch.device("cuda", local_rank)  # the local rank, not the global one: nodes count from 0
+            sys.exit(f"{PROG}: error: {problem}" if reports else 2)
+        # local ranks, not global ones: nodes count from 0
+        gpus = gpu_group(local_rank, processes, count) if args.device_map is not None else [local_rank]
+        device = torch.device("cuda", gpus[0])
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
     backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
     with process_group(backend, args.ddp_timeout, device):
-        run(args, device, backend, started)
+        run(args, device, gpus, backend, started)
 
 
-def run(args, device, backend: str, started: float) -> None:
+def run(args, device, gpus: list[int], backend: str, started: float) -> None:
     """Everything between the process group's creation and its destruction."""
     import sys
     import time
@@ -105,7 +116,7 @@ def run(args, device, backend: str, started: float) -> None:
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
     dtype = resolve_dtype(args.dtype, device)
-    strategy = choose_strategy(args, device, dtype)  # DDP, --fsdp or --deepspeed: the one place that asks
+    strategy = choose_strategy(args, device, dtype, gpus)  # DDP (--device_map), --fsdp or --deepspeed: asked once
     resume_from = main_rank_result(lambda: prepare_output_dir(args), is_main, device)  # before anything loads
 
     # -- data and model --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ errors answer at once, before torch/transformers/pyreft are loaded.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -44,6 +45,12 @@ COMPONENTS = {
     "attention_output": "the layer's self-attention output, before it is added to the residual stream",
 }
 
+# --device_map's named strategies: transformers' (accelerate's `infer_auto_device_map` under each).
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# What a device of a JSON --device_map or --max_memory may be (whether it is there is checked once torch is loaded).
+_DEVICE = re.compile(r"^(?:\d+|cuda:\d+|cpu|disk)$")
+_SIZE = re.compile(r"^\d+(?:\.\d+)?\s*[KMGT]i?B$")  # what accelerate's convert_file_size_to_int reads
+
 _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
 
 
@@ -74,6 +81,46 @@ def parse_field_map(value: str) -> dict[str, str]:
                                              f"(e.g. question=instruction,answer=output), got {value!r}")
         mapping[source.strip()] = target.strip()
     return mapping
+
+
+def parse_device(value, flag: str) -> int | str:
+    """A GPU index (an int, '3' or 'cuda:3'), 'cpu' or 'disk', as transformers reads a device map's values."""
+    text = str(value)
+    if isinstance(value, bool) or not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"{flag}: device {value!r} is not a GPU index, 'cuda:N', 'cpu' or 'disk'")
+    return int(text.removeprefix("cuda:")) if text[-1].isdigit() else text
+
+
+def parse_json_object(value: str, flag: str, example: str) -> dict:
+    try:
+        mapping = json.loads(value)
+    except json.JSONDecodeError:
+        mapping = None
+    if not isinstance(mapping, dict) or not mapping:
+        raise argparse.ArgumentTypeError(f"{flag} {value!r} is neither one of {', '.join(DEVICE_MAP_STRATEGIES)} "
+                                         f"nor a JSON object, e.g. '{example}'" if flag == "--device_map" else
+                                         f"{flag} {value!r} is not a JSON object, e.g. '{example}'")
+    return mapping
+
+
+def parse_device_map(value: str) -> str | dict[str, int | str]:
+    """'auto' (or another of DEVICE_MAP_STRATEGIES), or a JSON object of module name -> device."""
+    if value in DEVICE_MAP_STRATEGIES:
+        return value
+    mapping = parse_json_object(value, "--device_map", '{"model.embed_tokens": 0, "model.layers.0": "disk", ...}')
+    return {name: parse_device(device, "--device_map") for name, device in mapping.items()}
+
+
+def parse_max_memory(value: str) -> dict[int | str, int | str]:
+    """A JSON object of device -> bytes (an int) or a size ('20GiB', '500MB'), accelerate's max_memory."""
+    mapping = parse_json_object(value, "--max_memory", '{"0": "20GiB", "cpu": "64GiB"}')
+    memory = {}
+    for device, size in mapping.items():
+        if not (isinstance(size, int) and size >= 0 or isinstance(size, str) and _SIZE.match(size)):
+            raise argparse.ArgumentTypeError(f"--max_memory: {size!r} for {device!r} is not a size; use bytes or "
+                                             "e.g. '20GiB'")
+        memory[parse_device(device, "--max_memory")] = size
+    return memory
 
 
 def str2bool(value: str) -> bool:
@@ -153,6 +200,14 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="base model dtype; auto = bfloat16 on CUDA, float32 on CPU")
     flag("--bf16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype bfloat16")
     flag("--fp16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype float16")
+    flag("--device_map", type=parse_device_map, default=None,
+         help="spread the base over this process's GPUs, the CPU and disk, as transformers does: "
+              f"{', '.join(DEVICE_MAP_STRATEGIES)}, or JSON of module name -> GPU index, 'cpu' or 'disk' "
+              "(docs/big-models.md); under torchrun each process places it on its own group of the node's GPUs")
+    flag("--max_memory", type=parse_max_memory, default=None,
+         help="with --device_map auto/balanced/sequential: JSON of device -> memory it may hold, e.g. "
+              "'{\"0\": \"20GiB\", \"cpu\": \"64GiB\"}' (GPU indices count within the process's group)")
+    flag("--offload_folder", default=None, help="with --device_map: where modules placed on 'disk' are stored")
 
     group = parser.add_argument_group("data")
     flag = group.add_argument
@@ -317,6 +372,7 @@ def validate(args: argparse.Namespace) -> None:
     if fsdp_words - FSDP_WORDS:
         raise UsageError(f"--fsdp {args.fsdp!r}: unknown option {sorted(fsdp_words - FSDP_WORDS)[0]!r}; use "
                          f"--fsdp alone, or any of {', '.join(sorted(FSDP_WORDS))}")
+    validate_device_map(args)
     if getattr(args, "deepspeed", None):
         if args.fsdp:
             raise UsageError("--fsdp and --deepspeed are exclusive; pick one")
@@ -359,6 +415,25 @@ def follow_accelerate_launch(args: argparse.Namespace) -> None:
         raise UsageError(f"--deepspeed {args.deepspeed} and accelerate's --deepspeed_config_file {config_file} differ; "
                          "pass one of them")
     args.deepspeed = config_file
+
+
+def validate_device_map(args: argparse.Namespace) -> None:
+    """What --device_map, --max_memory and --offload_folder need of each other and of the other flags; the map
+    itself is checked against the model and the devices when the model loads (alpaca.device_map)."""
+    if args.device_map is None:
+        given = next((flag for flag in ("max_memory", "offload_folder") if getattr(args, flag) is not None), None)
+        if given:
+            raise UsageError(f"--{given} applies to a --device_map; add --device_map auto (or a JSON map)")
+        return
+    sharded_by = next((flag for flag in ("fsdp", "deepspeed") if getattr(args, flag, None)), None)
+    if sharded_by:
+        raise UsageError(f"--device_map and --{sharded_by} are exclusive: a device map places each process's whole "
+                         f"model, --{sharded_by} shards it across processes; pick one (docs/big-models.md)")
+    if args.max_memory is not None and isinstance(args.device_map, dict):
+        raise UsageError("--max_memory sizes what --device_map auto/balanced/sequential places; a JSON --device_map "
+                         "places every module itself: drop --max_memory")
+    if isinstance(args.device_map, dict) and "disk" in args.device_map.values() and not args.offload_folder:
+        raise UsageError("--device_map puts modules on 'disk': add --offload_folder DIR, where they are stored")
 
 
 def check_data_path(flag: str, path: str) -> None:

@@ -8,6 +8,7 @@ import textwrap
 import torch
 
 from alpaca.data import encode_prompts, intervention_locations, render_prompt
+from alpaca.device_map import input_device
 from alpaca.workarounds import set_train_mode
 
 # Held out from the shipped training data: they show whether the learned behaviour generalizes.
@@ -25,7 +26,7 @@ def answer(reft_model, tokenizer, instruction: str | list[dict[str, str]], posit
     """(base answer, ReFT answer) to an instruction, or to a conversation (its messages, the last the user's)
     under the chat template. The prompt is rendered as in training (`prompt_template`), and the interventions
     act on its positions only."""
-    device = reft_model.get_device()
+    device = input_device(reft_model.model)
     text = render_prompt(tokenizer, instruction, input, prompt_template)
     prompt = encode_prompts(tokenizer, [text], prompt_template, return_tensors="pt").to(device)
     prompt_length = prompt["input_ids"].shape[1]

@@ -23,7 +23,6 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     head is ~a fifth of a small model's FLOPs).
     """
     input_ids = batch["input_ids"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
     # Position t predicts label t + 1.
     first_predicting = batch["first_label_position"] - 1
     keep = input_ids.shape[1] - first_predicting
@@ -43,15 +42,16 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     _, outputs = reft_model(inputs, unit_locations={"sources->base": (None, locations)})
     logits = outputs.logits[:, :-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # cross-entropy of bf16 logits in fp32
-    targets = labels[:, first_predicting + 1 :]
+    # where the head computed the logits (a device map's last device, alpaca.device_map)
+    targets = batch["labels"].to(logits.device, non_blocking=True)[:, first_predicting + 1 :]
     losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                              reduction="none")
     return losses.view(targets.shape)
 
 
 def summed_token_loss(reft_model, batch: dict, device: torch.device) -> torch.Tensor:
-    """Sum (not mean) of the per-token losses of one micro-batch, with the interventions applied."""
-    return token_losses(reft_model, batch, device).sum()
+    """Sum (not mean) of the per-token losses of one micro-batch, with the interventions applied, on `device`."""
+    return token_losses(reft_model, batch, device).sum().to(device)
 
 
 def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world_size: int = 1) -> torch.Tensor:

@@ -163,10 +163,11 @@ def check_model(args) -> str:
 
 
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
-                    reader: str = "--fsdp"):
+                    reader: str = "--fsdp", device_map=None):
     """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set).
     On the meta device the weights are not read: `reader` fills each rank's part later (--fsdp:
-    `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.deepspeed.partition_base`)."""
+    `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.deepspeed.partition_base`). With a `device_map`
+    (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_name_or_path, cache_dir)
@@ -177,7 +178,11 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
     if device.type == "meta":
         return empty_base_model(path, dtype, cache_dir, reader), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)
+    if device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir,
+                                                     **device_map.from_pretrained_kwargs(path, dtype, cache_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)
     model.requires_grad_(False)
     model.eval()
     return model, tokenizer
@@ -209,10 +214,11 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
         for layer in layer_ids
     ]
     register_layout(model)
-    # pyreft moves the interventions to the base's device: not to the meta device of a base that
-    # alpaca.sharding fills later (they would lose their initial weights); they stay on the CPU.
+    # pyreft moves the interventions and the base to the base's device: not to the meta device of a base that
+    # alpaca.sharding fills later (they would lose their initial weights), nor a base a device map spread
+    # (accelerate refuses to move it); they stay on the CPU until the strategy places them.
     reft_model = pyreft.get_reft_model(model, pyreft.ReftConfig(representations=representations),
-                                       set_device=model.device.type != "meta")
+                                       set_device=model.device.type != "meta" and not hasattr(model, "hf_device_map"))
     keep_foreign_hooks(reft_model)
     compute_in_float32(reft_model)
     scatter_on_device(reft_model)

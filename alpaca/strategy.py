@@ -1,6 +1,7 @@
-"""How train_multigpu.py places and steps the model on N processes, chosen once: DDP (the default), FSDP
-(`--fsdp`: the frozen base sharded) or DeepSpeed ZeRO (`--deepspeed`, in alpaca.deepspeed). The loop calls
-the same methods whatever runs:
+"""How the scripts place and step the model, chosen once: on one process (train.py) the base on its device or spread
+by `--device_map` (alpaca.device_map); on N (train_multigpu.py) DDP (the default, with or without a device map per
+rank), FSDP (`--fsdp`: the frozen base sharded) or DeepSpeed ZeRO (`--deepspeed`, in alpaca.deepspeed). The loop
+calls the same methods whatever runs:
 
     model, tokenizer = strategy.load_base(model_path, dtype, cache_dir)
     train_model = strategy.wrap(reft_model, optimizer, scheduler, saved_optimizer_state)
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from alpaca import deepspeed as zero
+from alpaca.device_map import DeviceMap
 from alpaca.errors import UsageError
 from alpaca.model import decoder_layers, intervention_parameters, load_base_model
 from alpaca.optim import clip_and_step
@@ -32,20 +34,27 @@ from alpaca.workarounds import index_tensors_on
 
 
 class Strategy:
-    """What every strategy shares: the base loaded whole on this rank's device, torch's backward and AdamW."""
+    """What every strategy shares, and train.py's: the base loaded whole on this process's device (or spread by a
+    device map), torch's backward and AdamW."""
 
     layout = "replicated"  # the start line: how the base is held
     shards_base = False  # a sharded base answers only when every rank runs each forward (eval, sample answers)
 
-    def __init__(self, device: torch.device, max_grad_norm: float) -> None:
-        self.device, self.max_grad_norm = device, max_grad_norm
+    def __init__(self, device: torch.device, max_grad_norm: float, device_map: DeviceMap | None = None) -> None:
+        self.device, self.max_grad_norm, self.device_map = device, max_grad_norm, device_map
 
     def load_base(self, model_path: str, dtype: torch.dtype, cache_dir: str | None):
-        return load_base_model(model_path, dtype, self.device, cache_dir)
+        model, tokenizer = load_base_model(model_path, dtype, self.device, cache_dir, device_map=self.device_map)
+        if self.device_map is not None:
+            self.placed = f"--device_map ({self.device_map.describe(model)})"
+            self.layout = f"{self.layout}, on each rank by {self.placed}"
+        return model, tokenizer
 
     def wrap(self, reft_model, optimizer: torch.optim.Optimizer, scheduler, optimizer_state: dict | None):
         """Place the ReFT model for training; returns the module the loss runs through. `optimizer_state` is a
         checkpoint's (torch's AdamW format), loaded once the parameters are where they train."""
+        if self.device_map is not None:
+            self.device_map.place(reft_model)
         self.reft_model, self.optimizer, self.scheduler = reft_model, optimizer, scheduler
         self.parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
         if optimizer_state is not None:
@@ -89,9 +98,10 @@ class DDP(Strategy):
 
         super().wrap(reft_model, optimizer, scheduler, optimizer_state)
         # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's fixed
-        # base) never change: no re-broadcast before each forward.
+        # base) never change: no re-broadcast before each forward. A module on several devices takes no device_ids.
+        one_gpu = self.device.type == "cuda" and self.device_map is None
         self.model = DistributedDataParallel(reft_model, find_unused_parameters=False, **no_forward_buffer_sync(),
-                                             device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                                             device_ids=[self.device.index] if one_gpu else None)
         synchronized = {id(p) for module in reft_model.modules() for p in module.parameters(recurse=False)}
         if any(id(p) not in synchronized for p in self.parameters):
             raise RuntimeError("trainable parameters are outside the DDP module; they would diverge")
@@ -245,7 +255,7 @@ def no_forward_buffer_sync() -> dict[str, bool]:
 
 def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> None:
     """All ranks hold identical interventions before the first step (a collective)."""
-    checksum = torch.stack([p.detach().double().sum() for p in parameters]).to(device)
+    checksum = torch.stack([p.detach().double().sum().to(device) for p in parameters])  # from every device of a map
     lowest, highest = checksum.clone(), checksum.clone()
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
@@ -255,7 +265,7 @@ def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> No
 
 def local_parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
-    partitions), the rest whole."""
+    partitions), none of those a device map keeps on disk (on the meta device between forwards), the rest whole."""
     from torch.distributed.tensor import DTensor
 
     def held(parameter: torch.Tensor) -> int:
@@ -265,13 +275,17 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
         # parameters below stage3_param_persistence_threshold stay whole)
         return parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
 
-    return sum(held(parameter) for parameter in module.parameters())
+    return sum(held(parameter) for parameter in module.parameters() if parameter.device.type != "meta")
 
 
-def choose_strategy(args, device: torch.device, dtype: torch.dtype) -> Strategy:
-    """--deepspeed, --fsdp or DDP, from the flags; refused combinations were refused while parsing."""
-    if args.deepspeed:
+def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[int],
+                    distributed: bool = True) -> Strategy:
+    """--deepspeed, --fsdp or DDP, from the flags, DDP with --device_map over this process's `gpus` or not; one
+    process (train.py, not `distributed`): the plain strategy. Refused combinations were refused while parsing."""
+    if getattr(args, "deepspeed", None):
         return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype)
-    if args.fsdp:
+    if getattr(args, "fsdp", None):
         return FSDP(device, args.max_grad_norm, offload="offload" in args.fsdp.split())
-    return DDP(device, args.max_grad_norm)
+    device_map = (None if args.device_map is None
+                  else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
+    return (DDP if distributed else Strategy)(device, args.max_grad_norm, device_map)

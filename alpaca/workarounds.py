@@ -67,9 +67,11 @@ def scatter_on_device(reft_model) -> None:
     reft_model._scatter_intervention_output = scatter
 
 
-def index_tensors_on(reft_model, device: torch.device) -> None:
+def index_tensors_on(reft_model, device: torch.device | None) -> None:
     """pyvene builds its index tensors on `get_device()`, the base model's device: the CPU for a base whose
-    shards FSDP offloads there, while the activations are on the GPU. Build them where the activations are."""
+    shards FSDP offloads there, while the activations are on the GPU; the first parameter's (meta, when on disk)
+    for a base spread by a device map. Build them where the activations are: on `device`, or with None on each
+    hook's activation's own device (pyvene's fallback)."""
     reft_model.get_device = lambda: device
 
 

@@ -1,7 +1,9 @@
-"""Host memory per rank: DDP, --fsdp and --deepspeed ZeRO-2 and ZeRO-3, on 1, 2 and 4 processes (CPU, gloo).
+"""Host memory per rank: DDP, --fsdp, --deepspeed ZeRO-2 and ZeRO-3, and DDP with half the base offloaded to disk
+by --device_map ("disk"), on 1, 2 and 4 processes (CPU, gloo).
 
     python benchmarks/memory.py                                   # SmolLM2 and a random 0.49B model, all
     python benchmarks/memory.py --models smollm2 --nproc 2 --strategies ddp fsdp
+    python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp disk
 
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
 runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
@@ -32,7 +34,10 @@ sys.path.insert(0, str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
 STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
               "zero2": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")],
-              "zero3": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")]}
+              "zero3": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")],
+              # --device_map auto with CPU memory for half a copy (--max_memory, in `measure`): the last layers on
+              # disk; "disk_early": the layers before the first intervened one on disk (a JSON map, in `measure`)
+              "disk": ["--device_map", "auto"], "disk_early": []}
 # hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
 # in float32
 RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
@@ -78,6 +83,30 @@ def one_copy_bytes(model_dir: Path, dtype_bytes: int = 4) -> int:
     return numel * dtype_bytes
 
 
+def without_gguf_config(model_dir: Path, directory: Path) -> Path:
+    """The converted default model, its weights linked, its config.json without the GGUF `quantization_config`
+    the conversion keeps (its weights are plain float32): with it transformers refuses any JSON device map with
+    'disk' ("Disk offload is not supported for models loaded from GGUF files")."""
+    directory.mkdir()
+    for file in model_dir.iterdir():
+        (directory / file.name).symlink_to(file)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (directory / "config.json").unlink()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def early_layers_on_disk(model_dir: Path, first_intervened: int) -> str:
+    """A JSON --device_map of a Llama-layout model: the decoder layers before `first_intervened` on disk (no
+    gradient flows through them: their weights are dropped after their forward), the rest on the CPU."""
+    config = json.loads((model_dir / "config.json").read_text())
+    placed = {f"model.layers.{i}": "disk" if i < first_intervened else "cpu"
+              for i in range(config["num_hidden_layers"])}
+    return json.dumps({"model.embed_tokens": "cpu", **placed, "model.norm": "cpu", "model.rotary_emb": "cpu",
+                       "lm_head": "cpu"})
+
+
 def status_kib(pid: int) -> dict[str, int]:
     try:
         text = Path(f"/proc/{pid}/status").read_text()
@@ -106,14 +135,22 @@ def workers(launcher_pid: int) -> dict[int, int]:
 
 
 def measure(model_dir: Path, strategy: str, nproc: int, args: argparse.Namespace, layers: str) -> list[dict]:
-    """One training run; per rank: peak VmHWM and RssAnon (bytes) and its base parameter bytes."""
+    """One training run; per rank: peak VmHWM and RssAnon (bytes), its base parameter bytes in memory and its
+    tokens/s."""
     with tempfile.TemporaryDirectory(prefix="memory-") as output_dir:
+        placement = STRATEGIES[strategy]
+        if strategy == "disk":
+            placement = [*placement, "--max_memory", json.dumps({"cpu": one_copy_bytes(model_dir) // 2})]
+        if strategy == "disk_early":
+            placement = ["--device_map", early_layers_on_disk(model_dir, int(layers.split(";")[0]))]
+        if strategy.startswith("disk"):
+            placement += ["--offload_folder", str(Path(output_dir) / "offload")]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    str(REPO / "train_multigpu.py"), "--model_name_or_path", str(model_dir), "--data_path",
                    args.data_path, "--output_dir", output_dir, "--max_steps", str(args.steps),
                    "--per_device_train_batch_size", "1", "--max_n_train_example", "64", "--layers", layers,
                    "--num_sample_answers", "0", "--logging_steps", "1", "--dtype", "float32",
-                   *STRATEGIES[strategy]]
+                   *placement]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
         launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
@@ -130,11 +167,12 @@ def measure(model_dir: Path, strategy: str, nproc: int, args: argparse.Namespace
         if launcher.returncode != 0:
             raise SystemExit(f"{strategy} on {nproc} processes failed:\n{output[-3000:]}")
         # The last line of train_multigpu.py's report: "rank r: ... tok/s, peak ... GiB, base X MiB".
-        base_mib = {int(r): float(b) for r, b in re.findall(r"rank (\d+): [\d.]+ tok/s, peak [\d.]+ GiB, base "
-                                                             r"([\d.]+) MiB", output)}
+        reported = {int(r): (float(t), float(b)) for r, t, b in re.findall(
+            r"rank (\d+): ([\d.]+) tok/s, peak [\d.]+ GiB, base ([\d.]+) MiB", output)}
     by_rank = {rank: peaks.get(pid, {}) for pid, rank in ranks.items()}
     return [dict(rank=rank, hwm=by_rank[rank].get("VmHWM", 0) * 1024, anon=by_rank[rank].get("RssAnon", 0) * 1024,
-                 params=base_mib.get(rank, float("nan")) * 2**20) for rank in sorted(by_rank)]
+                 params=reported.get(rank, (0, float("nan")))[1] * 2**20,
+                 tokens_per_s=reported.get(rank, (float("nan"),))[0]) for rank in sorted(by_rank)]
 
 
 def main() -> None:
@@ -144,7 +182,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memory-model-") as scratch:
         models = {}
         if "smollm2" in args.models:
-            models["SmolLM2-135M"] = (embedded_model_dir(), "8;19")
+            models["SmolLM2-135M"] = (without_gguf_config(embedded_model_dir(), Path(scratch) / "smollm2"), "8;19")
         if "random" in args.models:
             print("Building the random model ...", flush=True)
             models["random 0.49B (bf16 file)"] = (build_random_model(Path(scratch) / "random"), "4;8")
@@ -153,7 +191,7 @@ def main() -> None:
             copy = one_copy_bytes(model_dir)
             print(f"\n{model_name}: one copy = {copy / 2**30:.2f} GiB (float32)\n"
                   f"{'processes':>9} {'strategy':>8} | {'peak RSS (VmHWM) per rank':>34} | "
-                  f"{'peak anonymous RSS per rank':>34} | {'base params per rank':>28}", flush=True)
+                  f"{'peak anonymous RSS per rank':>34} | {'base params per rank':>28} | tokens/s per rank", flush=True)
             for nproc in args.nproc:
                 for strategy in args.strategies:
                     ranks = measure(model_dir, strategy, nproc, args, layers)
@@ -163,8 +201,9 @@ def main() -> None:
                         return (" / ".join(f"{f / 2**30:.2f}" for f in figures) + " GiB ("
                                 + " / ".join(f"{f / copy:.2f}" for f in figures) + "x)")
 
+                    rates = " / ".join(f"{r['tokens_per_s']:.0f}" for r in ranks)
                     print(f"{nproc:>9} {strategy:>8} | {cells('hwm'):>34} | {cells('anon'):>34} | "
-                          f"{cells('params'):>28}", flush=True)
+                          f"{cells('params'):>28} | {rates}", flush=True)
                     rows.append(dict(model=model_name, nproc=nproc, strategy=strategy, one_copy=copy, ranks=ranks))
         print("\n" + json.dumps(rows))
 

@@ -367,6 +367,18 @@ DDP = ["--gradient_accumulation_steps", "2", "--logging_steps", "3"]
 FAULTS = str(REPO / "tests" / "faults.py")
 
 
+# --device_map's layers on disk in its exactness tests: --layers 1;2 intervenes on 1 and 2 (of 0..3)
+OFFLOADED = (0, 2)
+
+
+def disk_map() -> str:
+    """A --device_map of the tiny Llama's modules: layers OFFLOADED on disk, the rest in CPU memory."""
+    modules = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm", "model.rotary_emb",
+               "lm_head"]
+    return json.dumps({name: "disk" if name in {f"model.layers.{i}" for i in OFFLOADED} else "cpu"
+                       for name in modules})
+
+
 def flags(tiny_model, tiny_data, output_dir, *extra):
     return ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), "--output_dir",
             str(output_dir), *FLAGS, *extra]

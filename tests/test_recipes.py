@@ -11,6 +11,7 @@ from conftest import (
     RECIPES,
     REPO,
     assert_same_run,
+    disk_map,
     free_port,
     intervention_weights,
     recipe,
@@ -48,6 +49,20 @@ def test_the_one_and_two_process_runs_come_from_their_recipes(runs):
         args = json.loads((root / name / "training_args.json").read_text())
         assert (args["save_steps"], args["world_size"], args["gradient_accumulation_steps"]) == (
             100, processes, accumulation)
+
+
+def test_device_map_recipe_on_two_ranks_trains_the_ddp_run_exactly(runs, tmp_path):
+    """examples/launch/device_map.sh with 2 processes, each placing the tied-embeddings model with layers on disk:
+    DDP over the spread module trains `runs`' two-rank run bit for bit (evaluated at steps 4, 8, 9), and the sample
+    answers at the end run through the map."""
+    root, data = runs
+    result = recipe("device_map.sh", [*data, "--num_sample_answers", "1", "--max_new_tokens", "4"],
+                    {"OUTPUT_DIR": str(tmp_path / "map"), "NPROC": "2", "DEVICE_MAP": disk_map(),
+                     "OFFLOAD_FOLDER": str(tmp_path / "offload")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "x 2 accumulation" in result.stdout and "REFT MODEL" in result.stdout
+    assert "replicated (DDP), on each rank by --device_map (cpu: 6 modules, disk: 2 modules)" in result.stdout
+    assert_same_run(tmp_path / "map", root / "ddp", exact=True)
 
 
 def test_accelerate_recipe_trains_the_model_of_one_process(runs):

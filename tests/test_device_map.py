@@ -1,0 +1,97 @@
+"""--device_map: with one device type a device map changes no arithmetic. On CPU, decoder layers offloaded to disk
+(layer 2 intervened, layer 0 not) train bit-identically the plain run's weights, losses and grad norms, on one
+process and on two DDP ranks (that one in tests/test_recipes.py, through examples/launch/device_map.sh); their
+weights really are off memory (on the meta device) between forwards."""
+
+import sys
+
+import torch
+from conftest import (
+    OFFLOADED,
+    SINGLE,
+    assert_same_run,
+    copy_as_killed,
+    disk_map,
+    flags,
+    run_in_process,
+    torchrun,
+)
+
+from alpaca.args import parse_args, resolve_device_defaults
+from alpaca.loss import summed_token_loss
+from alpaca.model import decoder_layers, intervention_parameters
+from alpaca.strategy import choose_strategy
+
+
+def test_layers_on_disk_train_the_plain_run_exactly_and_resume_exactly(reference, tiny_model, tiny_data, tmp_path):
+    """Against the reference's one-process run (dropout, checkpoints, evaluation): the same run bit for bit, and
+    so is its resume from checkpoint-4 with the layers on disk again."""
+    placed = ["--device_map", disk_map(), "--offload_folder", str(tmp_path / "offload")]
+    status, stdout, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path / "map", *SINGLE,
+                                                               *placed))
+    assert status == 0, stderr[-3000:]
+    assert "on --device_map (cpu: 6 modules, disk: 2 modules)" in stdout
+    assert_same_run(tmp_path / "map", reference / "single", exact=True)
+    resumed = copy_as_killed(tmp_path / "map", tmp_path / "resumed", last_checkpoint=4)
+    status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, resumed, *SINGLE, *placed,
+                                                         "--resume_from_checkpoint", "auto"))
+    assert status == 0, stderr[-3000:]
+    assert_same_run(resumed, reference / "single", exact=True)
+
+
+def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tiny_data, tmp_path):
+    """Loaded as train.py loads it: the offloaded layers' parameters are on the meta device (no memory) before a
+    forward, after it and after the backward, the others in CPU memory; yet the loss and the interventions'
+    gradients are the plain model's: the weights came from disk for the forward."""
+    import train
+
+    def loss_and_gradients(*placement: str):
+        args = parse_args("train.py", ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
+                                       "--layers", "1;2", "--position", "f2+l2", *placement])
+        resolve_device_defaults(args, "cpu")
+        strategy = choose_strategy(args, torch.device("cpu"), torch.float32, [], distributed=False)
+        _, reft_model, dataset, _, _, collate, _ = train.load_data_and_model(args, strategy, torch.float32, (2, 2))
+        train_model = strategy.wrap(reft_model, None, None, None)
+        layers = decoder_layers(reft_model.model)
+
+        def devices() -> list[set[str]]:
+            return [{parameter.device.type for parameter in layer.parameters()} for layer in layers]
+
+        before = devices()
+        batch = collate([dataset[i] for i in range(4)])
+        loss = summed_token_loss(train_model, batch, torch.device("cpu"))
+        after_forward = devices()
+        loss.backward()
+        assert before == after_forward == devices()
+        return loss, [parameter.grad for _, parameter in intervention_parameters(reft_model)], before
+
+    plain_loss, plain_gradients, plain_devices = loss_and_gradients()
+    loss, gradients, placed = loss_and_gradients("--device_map", disk_map(), "--offload_folder", str(tmp_path))
+    assert plain_devices == [{"cpu"}] * 4
+    assert placed == [{"meta"} if index in OFFLOADED else {"cpu"} for index in range(4)]
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(gradients, plain_gradients, strict=True)) and gradients
+
+
+def test_device_map_with_fsdp_or_deepspeed_is_refused(tmp_path):
+    for sharding in (["--fsdp"], ["--deepspeed", "examples/deepspeed/zero3.json"]):
+        status, _, stderr = run_in_process("train_multigpu.py", ["--device_map", "auto", *sharding, "--output_dir",
+                                                                 tmp_path])
+        assert status == 2
+        assert stderr.strip().splitlines() == [
+            f"train_multigpu.py: error: --device_map and {sharding[0]} are exclusive: a device map places each "
+            f"process's whole model, {sharding[0]} shards it across processes; pick one (docs/big-models.md)"]
+
+
+def test_gpus_that_do_not_divide_among_the_processes(tiny_model, tmp_path):
+    """3 GPUs (faked) for 2 processes with --device_map: one line says which process counts divide them."""
+    three_gpus = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+                  "torch.cuda.device_count = lambda: 3; sys.argv = sys.argv[1:]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = torchrun(2, [sys.executable, "-c", three_gpus, "train_multigpu.py", "--model_name_or_path",
+                          str(tiny_model), "--output_dir", str(tmp_path), "--device_map", "auto"],
+                      extra=["--no-python"])
+    assert result.returncode != 0
+    message = ("train_multigpu.py: error: --device_map gives each process an equal group of the node's GPUs, but 3 "
+               "GPUs do not divide among 2 processes; launch with --nproc_per_node one of 1, 3")
+    assert result.stderr.count(message) == 1, result.stderr[-3000:]
