@@ -120,3 +120,20 @@ def test_pyreft_command_line_on_four_processes(pyreft_command_line, pyreft_examp
     assert "global batch 32 = 4 per device x 4 processes x 2 accumulation" in result.stdout
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert_same_run(tmp_path, pyreft_example_run[0])
+
+
+def test_packed_runs_on_one_and_two_processes_train_the_model_of_the_padded_run(runs):
+    """--packing: each rank's share of a global batch (the same plan of 8 examples) cut into packs of at most 512
+    tokens; train.py, and 2 ranks under DDP with --gradient_checkpointing, train the padded run's model: the same
+    weights, per-step loss, gradient norm and eval loss (evaluated padded), within float noise."""
+    root, data = runs
+    status, stdout, stderr = run_in_process("train.py", [*data, "--output_dir", root / "packed", "--packing",
+                                                         "--per_device_train_batch_size", "2",
+                                                         "--gradient_accumulation_steps", "4"])
+    assert status == 0, stderr[-3000:]
+    assert_same_run(root / "packed", root / "single")
+    result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "packed-ddp"), "--packing",
+                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                          "--gradient_checkpointing"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(root / "packed-ddp", root / "single")
