@@ -131,6 +131,7 @@ def test_packed_runs_on_one_and_two_processes_train_the_model_of_the_padded_run(
                                                          "--per_device_train_batch_size", "2",
                                                          "--gradient_accumulation_steps", "4"])
     assert status == 0, stderr[-3000:]
+    assert "global batch 8 = 2 per device x 4 accumulation, packed into micro-batches of up to 512 tokens" in stdout
     assert_same_run(root / "packed", root / "single")
     result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "packed-ddp"), "--packing",
                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
