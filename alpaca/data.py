@@ -433,6 +433,9 @@ class Collator:
             labels[row, : len(ids)] = self.example_labels(example, ids)
         # Position 0 predicts nothing, so a label there is never counted.
         labels[:, 0] = IGNORE_INDEX
+        # Every example has at least one output token after its prompt, so the last column is never a
+        # prompt position; its hidden state only feeds its own logits, which predict nothing (causal
+        # attention, shifted labels). Intervening there is a no-op: a safe padding position.
         locations = intervention_locations(
             [example["prompt_length"] for example in examples], self.position, self.share_weights,
             self.num_layers, pad_position=width - 1,
