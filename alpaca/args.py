@@ -180,8 +180,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
               "global batch stays per_device x processes x accumulation examples, each rank's share cut into packs "
               "of up to --packing_max_tokens tokens")
     flag("--packing_max_tokens", type=int, default=None,
-         help="with --packing, the tokens of a micro-batch at most (at least --model_max_length); "
-              "default: --model_max_length")
+         help="with --packing, the tokens of a micro-batch at most (at least --model_max_length); default: "
+              "--per_device_train_batch_size x --model_max_length, a padded micro-batch at its widest")
     flag("--dataloader_num_workers", type=int, default=None,
          help="DataLoader worker processes that collate batches ahead of the step; default: 2 on CUDA, 0 on CPU")
 
@@ -346,8 +346,8 @@ def validate_packing(args: argparse.Namespace) -> None:
         if args.packing_max_tokens is not None:
             raise UsageError("--packing_max_tokens sets the size of a pack; add --packing, or drop it")
         return
-    if args.packing_max_tokens is None:
-        args.packing_max_tokens = args.model_max_length
+    if args.packing_max_tokens is None:  # a padded micro-batch at its widest: memory as without --packing
+        args.packing_max_tokens = args.per_device_train_batch_size * args.model_max_length
     if args.packing_max_tokens < args.model_max_length:
         raise UsageError(f"--packing_max_tokens {args.packing_max_tokens} is below --model_max_length "
                          f"{args.model_max_length}: an example that long would not fit in a pack; raise it or lower "

@@ -115,6 +115,7 @@ def test_fsdp_resume_from_an_end_of_epoch_checkpoint_after_a_killed_rank(tiny_mo
     resumed = torchrun(2, [*args, "--resume_from_checkpoint", "auto", "--packing"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 6" in resumed.stdout
+    assert "packed into micro-batches of up to 1024 tokens" in resumed.stdout  # the default: 2 per device x 512
     assert_same_run(tmp_path / "two", reference / "single-no-dropout")
 
 

@@ -133,12 +133,14 @@ def test_pyreft_command_line_on_four_processes(pyreft_command_line, pyreft_examp
 
 def test_packed_runs_on_one_and_two_processes_train_the_model_of_the_padded_run(runs):
     """--packing: each rank's share of a global batch (the same plan of 8 examples) cut into packs of at most 512
-    tokens; train.py, and 2 ranks under DDP with --gradient_checkpointing, train the padded run's model: the same
-    weights, per-step loss, gradient norm and eval loss (evaluated padded), within float noise. The packed run
-    resumed from its checkpoint-4 (inside epoch 2) is the uninterrupted one exactly."""
+    tokens (several packs a share); train.py, and 2 ranks under DDP with --gradient_checkpointing,
+    train the padded run's model: the same weights, per-step loss, gradient norm and eval loss (evaluated
+    padded), within float noise. The packed run resumed from its checkpoint-4 (inside epoch 2) is the
+    uninterrupted one exactly."""
     root, data = runs
-    packed = [*data, "--output_dir", root / "packed", "--packing", "--per_device_train_batch_size", "2",
-              "--gradient_accumulation_steps", "4", "--save_strategy", "steps", "--save_steps", "4"]
+    packed = [*data, "--output_dir", root / "packed", "--packing", "--packing_max_tokens", "512",
+              "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--save_strategy", "steps",
+              "--save_steps", "4"]
     status, stdout, stderr = run_in_process("train.py", packed)
     assert status == 0, stderr[-3000:]
     assert "global batch 8 = 2 per device x 4 accumulation, packed into micro-batches of up to 512 tokens" in stdout
@@ -149,7 +151,7 @@ def test_packed_runs_on_one_and_two_processes_train_the_model_of_the_padded_run(
     assert status == 0 and "at step 4" in stdout, stderr[-3000:]
     assert_same_run(root / "packed-resumed", root / "packed", exact=True)
     result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "packed-ddp"), "--packing",
-                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                          "--gradient_checkpointing"])
+                          "--packing_max_tokens", "512", "--per_device_train_batch_size", "2",
+                          "--gradient_accumulation_steps", "2", "--gradient_checkpointing"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(root / "packed-ddp", root / "single")
