@@ -194,7 +194,7 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
                           f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
                 sys.exit(stop.exit_code if stop.received else 1)
             learning_rate = scheduler.get_last_lr()[0]
-            backward_step(strategy, train_model, micro_batches, args.gradient_accumulation_steps, placeholder,
+            backward_step(strategy, train_model, micro_batches, sampler.micro_steps(index), placeholder,
                           step_label_tokens, window, device)
             grad_norm = strategy.step()
             step += 1
@@ -246,12 +246,13 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
         run_checked(write_outputs, participate=is_main, device=device)
 
 
-def backward_step(strategy, train_model, micro_batches: list[dict], accumulation_steps: int, placeholder: dict,
+def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps: int, placeholder: dict,
                   step_label_tokens: int, window, device) -> None:
     """Forward and backward of this rank's micro-batches of one optimizer step, each weighted by the label
-    tokens of the whole global batch. A short share runs zero-weight placeholders, as many as the strategy's
-    collectives need; they draw no dropout masks (the RNG state is put back), so the real micro-batches draw
-    the same ones under every strategy."""
+    tokens of the whole global batch. A share short of `micro_steps` (the accumulation steps; with --packing,
+    the most packs of any rank) runs zero-weight placeholders, as many as the strategy's collectives need;
+    they draw no dropout masks (the RNG state is put back), so the real micro-batches draw the same ones under
+    every strategy."""
     import contextlib
 
     import torch
@@ -259,7 +260,7 @@ def backward_step(strategy, train_model, micro_batches: list[dict], accumulation
 
     from alpaca.loss import summed_token_loss, token_weighted_loss
 
-    missing = accumulation_steps - len(micro_batches)
+    missing = micro_steps - len(micro_batches)
     micro_batches = [*micro_batches, *[None] * strategy.placeholders(missing)]
     rng_devices = [device] if device.type == "cuda" else []  # fork_rng saves the CPU generator's state always
     for micro_step, batch in enumerate(micro_batches):

@@ -230,6 +230,13 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--pad_to_multiple_of", type=int, default=None,
          help="pad each micro-batch to a multiple of N tokens, so a run has at most model_max_length / N shapes "
               "(GPU kernels cache a plan per shape); default: 64 on CUDA, 1 (no rounding) on CPU")
+    flag("--packing", type=str2bool, nargs="?", const=True, default=False,
+         help="micro-batches of examples end to end in one row, no padding, no attention across examples; the "
+              "global batch stays per_device x processes x accumulation examples, each rank's share cut into packs "
+              "of up to --packing_max_tokens tokens")
+    flag("--packing_max_tokens", type=int, default=None,
+         help="with --packing, the tokens of a micro-batch at most (at least --model_max_length); default: "
+              "--per_device_train_batch_size x --model_max_length, a padded micro-batch at its widest")
     flag("--dataloader_num_workers", type=int, default=None,
          help="DataLoader worker processes that collate batches ahead of the step; default: 2 on CUDA, 0 on CPU")
 
@@ -326,6 +333,7 @@ NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
     "eval_split_ratio": (lambda ratio: 0 < ratio < 1, "in (0, 1), e.g. 0.05"),
     "pad_to_multiple_of": (lambda multiple: multiple > 0, "a positive integer"),
     "dataloader_num_workers": (lambda workers: workers >= 0, "0 or more"),
+    "packing_max_tokens": (lambda tokens: tokens > 0, "a positive integer"),
     "rank": (lambda rank: rank > 0, "a positive integer"),
     "dropout": (lambda p: 0 <= p < 1, "in [0, 1)"),
     "num_train_epochs": (lambda epochs: epochs > 0, "positive (--max_steps, when given, overrides it)"),
@@ -377,6 +385,7 @@ def validate(args: argparse.Namespace) -> None:
         if args.fsdp:
             raise UsageError("--fsdp and --deepspeed are exclusive; pick one")
         args.deepspeed_config = load_config(args, int(os.environ.get("WORLD_SIZE", 1)))
+    validate_packing(args)
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 are exclusive; pick one (or use --dtype)")
     if args.bf16 or args.fp16:
@@ -385,6 +394,24 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
     check_data_path("--data_path", args.data_path)
     validate_eval(args)
+
+
+def validate_packing(args: argparse.Namespace) -> None:
+    """--packing_max_tokens: None without --packing, else a budget every (truncated) example fits in."""
+    if not args.packing:
+        if args.packing_max_tokens is not None:
+            raise UsageError("--packing_max_tokens sets the size of a pack; add --packing, or drop it")
+        return
+    if args.packing_max_tokens is None:  # a padded micro-batch at its widest: memory as without --packing
+        args.packing_max_tokens = args.per_device_train_batch_size * args.model_max_length
+    if args.packing_max_tokens < args.model_max_length:
+        raise UsageError(f"--packing_max_tokens {args.packing_max_tokens} is below --model_max_length "
+                         f"{args.model_max_length}: an example that long would not fit in a pack; raise it or lower "
+                         "--model_max_length")
+    if getattr(args, "deepspeed", None):
+        # DeepSpeed steps the optimizer after a fixed number of micro-batches; a share's packs vary in number.
+        raise UsageError("--packing and --deepspeed do not combine (DeepSpeed steps after a fixed number of "
+                         "micro-batches, packs vary in number); drop one, or use --fsdp to shard the base")
 
 
 def follow_accelerate_launch(args: argparse.Namespace) -> None:

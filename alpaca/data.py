@@ -361,7 +361,7 @@ def num_interventions(num_layers: int, position: tuple[int, int], share_weights:
 
 def intervention_locations(
     prompt_lengths: list[int], position: tuple[int, int], share_weights: bool, num_layers: int,
-    pad_position: int | None,
+    pad_position: int | None, offsets: list[int] | None = None,
 ) -> list[list[list[int]]]:
     """[intervention][example][position] for pyvene's `unit_locations`.
 
@@ -369,12 +369,13 @@ def intervention_locations(
     semantics), or each takes both windows when they share weights or there is one window. Windows
     shortened by a short prompt are padded with `pad_position`, which must be a position whose
     representation never reaches the loss (the batch's last column, see `Collator`); with one
-    example and `pad_position=None` they stay short.
+    example and `pad_position=None` they stay short. `offsets`: where each example starts in its row (a
+    pack's examples share one row), added to its positions but not to `pad_position`.
     """
     first_n, last_n = position
     firsts, lasts = [], []
-    for length in prompt_lengths:
-        first, last = prompt_windows(length, first_n, last_n)
+    for length, offset in zip(prompt_lengths, offsets or [0] * len(prompt_lengths)):
+        first, last = ([offset + p for p in window] for window in prompt_windows(length, first_n, last_n))
         if pad_position is not None:
             first += [pad_position] * (first_n - len(first))
             last += [pad_position] * (last_n - len(last))
@@ -384,6 +385,12 @@ def intervention_locations(
         return [firsts] * num_layers + [lasts] * num_layers
     both = [first + last for first, last in zip(firsts, lasts)]
     return [both] * num_layers
+
+
+# What a pack (Collator.pack) gives the model besides its tokens: position_ids, and the examples' boundaries in
+# the form transformers' flash attention takes them (FlashAttentionKwargs); other attention implementations
+# ignore the boundaries and find the examples from position_ids.
+PACK_KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 @dataclass
@@ -426,7 +433,6 @@ class Collator:
             labels[row, : len(ids)] = self.example_labels(example, ids)
         # Position 0 predicts nothing, so a label there is never counted.
         labels[:, 0] = IGNORE_INDEX
-        labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         # Every example has at least one output token after its prompt, so the last column is never a
         # prompt position; its hidden state only feeds its own logits, which predict nothing (causal
         # attention, shifted labels). Intervening there is a no-op: a safe padding position.
@@ -434,14 +440,55 @@ class Collator:
             [example["prompt_length"] for example in examples], self.position, self.share_weights,
             self.num_layers, pad_position=width - 1,
         )
-        locations = [torch.tensor(window) for window in locations]
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                **self.labels_and_locations(labels, [torch.tensor(window) for window in locations], examples)}
+
+    def pack(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        """The examples end to end in one row, with no padding but up to a multiple of `pad_to_multiple_of` at the
+        end (--packing). `position_ids` restart at each example: that is how transformers tells them apart (no
+        attention across them: a block-diagonal mask under SDPA and eager, varlen kernels under flash attention,
+        which also get the examples' boundaries precomputed here, as transformers' DataCollatorWithFlattening
+        gives them). Each example's labels and intervention windows are its own, moved to where it starts; its
+        first token is not a label (the token before it is another example's), so the seams predict nothing.
+        Every per-token loss and gradient is the padded layout's (tests/test_loss.py)."""
+        import torch
+
+        lengths = [len(example["input_ids"]) for example in examples]
+        starts = np.cumsum([0, *lengths[:-1]]).tolist()
+        used = sum(lengths)
+        width = -(-used // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((1, width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((1, width), IGNORE_INDEX, dtype=torch.long)
+        for start, example in zip(starts, examples):
+            ids = torch.tensor(example["input_ids"], dtype=torch.long)
+            input_ids[0, start : start + len(ids)] = ids
+            labels[0, start : start + len(ids)] = self.example_labels(example, ids)
+            labels[0, start] = IGNORE_INDEX
+        sequence_lengths = lengths + [width - used] * (width > used)  # the padding at the end: a sequence of its own
+        position_ids = torch.cat([torch.arange(length) for length in sequence_lengths]).unsqueeze(0)
+        boundaries = torch.tensor(np.cumsum([0, *sequence_lengths]), dtype=torch.int32)
+        # The last column is the last example's last token (an answer token, never a prompt position) or
+        # padding: a safe padding position for the windows, as in __call__. One row holds every example's windows.
+        locations = intervention_locations(
+            [example["prompt_length"] for example in examples], self.position, self.share_weights,
+            self.num_layers, pad_position=width - 1, offsets=starts,
+        )
+        locations = [torch.tensor([[p for example_window in window for p in example_window]]) for window in locations]
+        return {"input_ids": input_ids, "position_ids": position_ids,
+                "cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries,
+                "max_length_q": max(sequence_lengths), "max_length_k": max(sequence_lengths),
+                **self.labels_and_locations(labels, locations, examples)}
+
+    def labels_and_locations(self, labels, locations: list, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a micro-batch carries besides its tokens: labels, intervention locations and their mask, the loss's
+        window and the counts, from `labels` and `locations` (whose padding position is the last column)."""
+        width = labels.shape[1]
+        labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         # True at the real positions, False at the padding ones (the last column is never a real one): a loss
         # term over the intervened positions sums under this mask, or it also sums over padding, which depends
         # on how the step is cut into micro-batches and ranks.
         intervention_mask = [window != width - 1 for window in locations]
         return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
             "labels": labels,
             # As tensors, built here (in a DataLoader worker) rather than by pyvene from Python lists in
             # every hook of every forward: see `token_losses`.
@@ -473,18 +520,36 @@ def give_step_counts(micro_batches: list[dict[str, Any]], counts: list[int]) -> 
         batch["step_counts"] = dict(zip(STEP_COUNTS, counts))
 
 
+def packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices into `lengths` cut into consecutive runs of at most `max_tokens` tokens each (--packing): each
+    run takes the next examples while they fit. No example is longer than `max_tokens` (args.validate)."""
+    runs, tokens = [], max_tokens
+    for index, length in enumerate(lengths):
+        if tokens + length > max_tokens:
+            runs.append([])
+            tokens = 0
+        runs[-1].append(index)
+        tokens += length
+    return runs
+
+
 @dataclass
 class StepCollator:
     """A DataLoader's collate_fn for `GlobalBatchSampler`: this rank's share of one global batch (its
     micro-batches, concatenated) -> the list of its collated micro-batches, empty for an empty share.
 
     Only the last micro-batch of a share can be partial (see `rank_micro_batches`), so cutting the share
-    every `per_device_batch_size` examples gives back exactly the rank's micro-batches."""
+    every `per_device_batch_size` examples gives back exactly the rank's micro-batches. With
+    `packing_max_tokens` (--packing) the share is cut into `packs` instead, each collated into one row."""
 
     collate: Collator
     per_device_batch_size: int
+    packing_max_tokens: int | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.packing_max_tokens:
+            return [self.collate.pack([examples[index] for index in run])
+                    for run in packs([example["length"] for example in examples], self.packing_max_tokens)]
         size = self.per_device_batch_size
         return [self.collate(examples[start : start + size]) for start in range(0, len(examples), size)]
 
@@ -532,12 +597,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __init__(self, num_examples: int, per_device_batch_size: int, accumulation_steps: int = 1,
                  num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
-                 lengths: np.ndarray | None = None) -> None:
+                 lengths: np.ndarray | None = None, packing: tuple[np.ndarray, int] | None = None) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
         self.num_examples, self.per_device_batch_size = num_examples, per_device_batch_size
         self.accumulation_steps, self.num_replicas, self.rank = accumulation_steps, num_replicas, rank
         self.shuffle, self.seed, self.lengths = shuffle, seed, lengths
+        self.packing = packing  # (every example's length, --packing_max_tokens), as StepCollator packs
         self.global_batch_size = per_device_batch_size * num_replicas * accumulation_steps
         self.start = 0
         self.set_epoch(0)
@@ -558,9 +624,23 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __iter__(self):
         for global_batch in self.global_batches[self.start :]:
-            micro_batches = rank_micro_batches(global_batch, self.rank, self.num_replicas,
-                                               self.per_device_batch_size, self.accumulation_steps)
-            yield [index for micro_batch in micro_batches for index in micro_batch]
+            yield self.share(global_batch, self.rank)
+
+    def share(self, global_batch: list[int], rank: int) -> list[int]:
+        """`rank`'s micro-batches of a global batch, concatenated."""
+        micro_batches = rank_micro_batches(global_batch, rank, self.num_replicas, self.per_device_batch_size,
+                                           self.accumulation_steps)
+        return [index for micro_batch in micro_batches for index in micro_batch]
+
+    def micro_steps(self, batch_index: int) -> int:
+        """The forwards every rank runs in this global batch of the epoch: the accumulation steps, or with packing
+        the most packs a rank's share makes (a rank with fewer makes up the rest with placeholders where the
+        strategy's collectives need them). Every rank finds the same, with no communication."""
+        if self.packing is None:
+            return self.accumulation_steps
+        lengths, max_tokens = self.packing
+        return max(len(packs(lengths[self.share(self.global_batches[batch_index], rank)].tolist(), max_tokens))
+                   for rank in range(self.num_replicas))
 
 
 def rank_micro_batches(
@@ -597,11 +677,13 @@ def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas
     from torch import Generator
     from torch.utils.data import DataLoader
 
+    lengths, packing_max_tokens = np.array(dataset["length"]), args.packing_max_tokens  # None: no --packing
     sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                  num_replicas=num_replicas, rank=rank, shuffle=True, seed=args.seed,
-                                 lengths=np.array(dataset["length"]) if args.group_by_length else None)
+                                 lengths=lengths if args.group_by_length else None,
+                                 packing=(lengths, packing_max_tokens) if packing_max_tokens else None)
     return DataLoader(dataset, batch_sampler=sampler,
-                      collate_fn=StepCollator(collate, args.per_device_train_batch_size),
+                      collate_fn=StepCollator(collate, args.per_device_train_batch_size, packing_max_tokens),
                       num_workers=args.dataloader_num_workers, pin_memory=pin_memory,
                       # Workers end with each epoch's iterator. A persistent iterator lives as long as the
                       # DataLoader; left to the garbage collector (a reference cycle), it finds its workers' queues

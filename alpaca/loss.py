@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alpaca.data import IGNORE_INDEX, give_step_counts, step_counts
+from alpaca.data import IGNORE_INDEX, PACK_KEYS, give_step_counts, step_counts
 from alpaca.workarounds import set_train_mode
 
 
@@ -35,6 +35,9 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     }
     if attention_mask:
         inputs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+    # A pack of examples in one row (Collator.pack): where each starts, for the attention (no mask, see above).
+    inputs.update({key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                   for key, value in batch.items() if key in PACK_KEYS})
     # pyvene turns each intervention's locations into an index tensor on the model's device in each hook,
     # with torch.tensor(): from Python lists that is a blocking host-to-device copy per hook; from a tensor
     # already there, a copy on the device. So they go there once per micro-batch, asynchronously.

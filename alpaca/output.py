@@ -135,7 +135,9 @@ def start_line(summary: str, plan, args: argparse.Namespace, eval_size: int | No
     """The line a run starts with: data and model, the global batch and the plan, where it resumes."""
     per_process = f"{processes} processes x " if processes > 1 or placement else ""
     return (f"{summary}\nglobal batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
-            f"{per_process}{args.gradient_accumulation_steps} accumulation | {plan.total_steps} steps "
+            f"{per_process}{args.gradient_accumulation_steps} accumulation"
+            + (f", packed into micro-batches of up to {args.packing_max_tokens} tokens" if args.packing else "")
+            + f" | {plan.total_steps} steps "
             f"({plan.steps_per_epoch} per epoch){placement}"
             + (f" | eval: {eval_size} examples, {args.eval_strategy}" if eval_size else "")
             + (f" | resuming {resume_from} at step {step}" if resume_from else "")

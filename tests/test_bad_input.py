@@ -68,6 +68,10 @@ CASES = [
      "chat model"),
     ("component inside a recomputed layer", ["--component", "mlp_output", "--gradient_checkpointing"],
      "--gradient_checkpointing recomputes whole decoder layers, inside which --component mlp_output is hooked"),
+    ("pack budget without packing", ["--packing_max_tokens", "1024"], "--packing_max_tokens sets the size of a pack; "
+     "add --packing"),
+    ("pack budget below an example", ["--packing", "--packing_max_tokens", "256"], "--packing_max_tokens 256 is below "
+     "--model_max_length 512"),
     ("unknown flag", ["--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat"),
     ("eval without eval data", ["--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
     ("eval split ratio out of range", ["--eval_split_ratio", "1.5"], "--eval_split_ratio must be in (0, 1)"),

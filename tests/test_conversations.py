@@ -125,3 +125,21 @@ def test_a_conversation_changes_the_loss_through_its_earlier_turns(chat_tokenize
     last_turn_only = collate([{**example, "label_spans": []}])
     assert batch["num_label_tokens"] > last_turn_only["num_label_tokens"]
     assert torch.equal(batch["input_ids"], last_turn_only["input_ids"])
+
+
+def test_a_pack_labels_each_conversation_as_its_padded_row(chat_tokenizer, tmp_path):
+    """--packing: each conversation's labels, earlier assistant turns included, sit in the pack where it starts,
+    as in its padded row; its intervention windows are moved there too."""
+    records = load_records(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION},
+                                                                 {"messages": CONVERSATION[:3]}] * 2))
+    examples = list(tokenize(records, chat_tokenizer, 512, "chat"))
+    padded, pack = collate(examples), collate.pack(examples)
+    start = 0
+    for row, example in enumerate(examples):
+        length = example["length"]
+        assert torch.equal(pack["labels"][0, start : start + length], padded["labels"][row, :length])
+        assert torch.equal(pack["position_ids"][0, start : start + length], torch.arange(length))
+        windows = [window[row][0].item() + start for window in padded["intervention_locations"]]  # (1, 1)
+        assert windows == [window[0][row].item() for window in pack["intervention_locations"]]
+        start += length
+    assert pack["num_label_tokens"] == padded["num_label_tokens"] and pack["input_ids"].shape == (1, start)

@@ -19,6 +19,7 @@ from alpaca.data import (
     intervention_locations,
     load_records,
     load_splits,
+    packs,
     prepare_dataset,
     prompt_windows,
     rank_micro_batches,
@@ -173,6 +174,31 @@ def test_sampler_yields_each_ranks_micro_batches_of_the_plan(world_size, per_dev
         assert any(not item for rank_items in orders[0] for item in rank_items)
 
 
+@pytest.mark.parametrize("world_size,per_device,accumulation", [(1, 4, 2), (2, 2, 2)])
+def test_packed_steps_have_no_padding_and_every_rank_runs_the_same_forwards(tokenizer, tiny_data, world_size,
+                                                                            per_device, accumulation):
+    """--packing, --group_by_length false: each rank's share of each global batch cut into packs of at most the
+    budget, in order, with no padding (0 %); every example of the epoch trained on once; `micro_steps` is the
+    most packs of any rank, the forwards a sharded strategy needs every rank to run."""
+    import argparse
+
+    dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
+    collate = Collator(tokenizer.pad_token_id, (1, 1), False, 4)
+    budget = 3 * max(dataset["length"])
+    args = argparse.Namespace(per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+                              seed=1, group_by_length=False, dataloader_num_workers=0, packing_max_tokens=budget)
+    loaders = [step_loader(dataset, collate, args, False, world_size, rank) for rank in range(world_size)]
+    steps = list(zip(*loaders))
+    micro_steps = [loaders[0].batch_sampler.micro_steps(index) for index in range(len(steps))]
+    packed = [pack for shares in steps for share in shares for pack in share]
+    assert all(pack["input_ids"].shape == (1, pack["num_tokens"]) for pack in packed)  # 0 % padding
+    assert all(pack["num_tokens"] <= budget for pack in packed)
+    assert sum(pack["num_tokens"] for pack in packed) == sum(dataset["length"])
+    assert max(len(pack["intervention_locations"][0][0]) for pack in packed) > 2  # several examples a pack
+    assert micro_steps == [max(len(share) for share in shares) for shares in steps]
+    assert packs([5, 5, 3, 9, 1], 10) == [[0, 1], [2], [3, 4]]
+
+
 def test_sampler_resumes_at_a_global_batch():
     sampler = GlobalBatchSampler(21, 2, 2, num_replicas=2, rank=1, seed=3)
     sampler.set_epoch(4)
@@ -220,7 +246,7 @@ def test_dataloader_workers_give_the_same_steps_survive_a_stop_signal_and_end_wi
 
     def steps(num_workers):
         args = argparse.Namespace(per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=1,
-                                  group_by_length=True, dataloader_num_workers=num_workers)
+                                  group_by_length=True, dataloader_num_workers=num_workers, packing_max_tokens=None)
         loader = step_loader(dataset, collate, args, pin_memory=False)
         sampler = loader.batch_sampler
         seen = []

@@ -182,6 +182,7 @@ BAD_CONFIGS = [
      [], "offload_param moves state from GPUs to the CPU"),
     ("with fsdp", ZERO2.read_text(), ["--fsdp"], "--fsdp and --deepspeed are exclusive"),
     ("fp16", ZERO2.read_text(), ["--dtype", "float16"], "a float16 base needs loss scaling"),
+    ("with packing", ZERO2.read_text(), ["--packing"], "--packing and --deepspeed do not combine"),
 ]
 
 

@@ -91,7 +91,8 @@ def test_fsdp_resume_from_an_end_of_epoch_checkpoint_after_a_killed_rank(tiny_mo
     rank 1's micro-batches are all empty there: it must still run every sharded forward. Resumed from it by the
     same launch; and, from a copy without it, from checkpoint-4 (inside epoch 2) by one process of train.py
     with the same global batch (x 4 accumulation; x 2 is refused). Both give the model of one uninterrupted
-    process. Without dropout, whose streams differ between 1 and 2 processes."""
+    process, the launch resumed with --packing too (every rank runs the most packs of any rank, rank 1 a
+    placeholder where it has none). Without dropout, whose streams differ between 1 and 2 processes."""
     single = flags(tiny_model, tiny_data, tmp_path / "one", "--dropout", "0")
     args = ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path / "two", "--gradient_accumulation_steps", "2",
                                         "--dropout", "0", "--fsdp", "--gradient_checkpointing")]
@@ -111,9 +112,10 @@ def test_fsdp_resume_from_an_end_of_epoch_checkpoint_after_a_killed_rank(tiny_mo
     assert "at step 4" in stdout
     assert_same_run(tmp_path / "one", reference / "single-no-dropout")
 
-    resumed = torchrun(2, [*args, "--resume_from_checkpoint", "auto"])
+    resumed = torchrun(2, [*args, "--resume_from_checkpoint", "auto", "--packing"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 6" in resumed.stdout
+    assert "packed into micro-batches of up to 1024 tokens" in resumed.stdout  # the default: 2 per device x 512
     assert_same_run(tmp_path / "two", reference / "single-no-dropout")
 
 

@@ -209,3 +209,35 @@ def test_a_penalty_over_the_intervened_positions_needs_their_mask(setup):
                                                    for shard in shards))]
         deviation = max(((a - b).norm() / b.norm()).item() for a, b in zip(two_ranks, one_process))
         assert deviation < 1e-12 if masked else deviation > 1e-3, (masked, deviation)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_pack_is_the_padded_batch(setup, attention):
+    """--packing: examples end to end in one row, positions restarting at each, give every example's loss and
+    the gradients of the padded batch (float64, to summation order), with transformers' SDPA and eager
+    attention; also with a prompt too short for its windows (padded windows) and the tail rounded up."""
+    reft_model, dataset, collate = setup
+    examples = [dict(dataset[i]) for i in range(5)]
+    examples[2]["prompt_length"] = 3  # windows f2+l2 do not fit
+    rounded = Collator(collate.pad_token_id, POSITION, False, num_layers=2, pad_to_multiple_of=16)
+    padded, pack = collate(examples), rounded.pack(examples)
+    assert pack["input_ids"].shape == (1, -(-sum(len(e["input_ids"]) for e in examples) // 16) * 16)
+    for key in ("num_label_tokens", "num_intervened_positions", "num_tokens"):
+        assert pack[key] == padded[key], key
+    model = reft_model.model
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation(attention)
+    try:
+        scale = lambda loss, batch: loss  # noqa: E731
+        for expected, actual in zip(gradients(reft_model, [padded], scale), gradients(reft_model, [pack], scale)):
+            torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():
+            padded_losses = token_losses(reft_model, padded, torch.device("cpu")).sum(dim=1)
+            pack_losses = token_losses(reft_model, pack, torch.device("cpu"))[0]
+    finally:
+        model.set_attn_implementation(implementation)
+    # Each example's losses sit in the pack from its start on (the pack's kept logits start at its first label).
+    starts = torch.tensor([0] + [len(e["input_ids"]) for e in examples]).cumsum(0) - pack["first_label_position"]
+    per_example = torch.stack([pack_losses[max(start, 0) : max(end, 0)].sum() for start, end in
+                               zip(starts[:-1].tolist(), starts[1:].tolist())])
+    torch.testing.assert_close(per_example, padded_losses, rtol=1e-10, atol=0)

@@ -3,7 +3,16 @@
 import json
 
 import torch
-from conftest import COMMON, FAULTS, assert_same_run, intervention_weights, run_in_process, threads_left, torchrun
+from conftest import (
+    COMMON,
+    FAULTS,
+    assert_same_run,
+    copy_as_killed,
+    intervention_weights,
+    run_in_process,
+    threads_left,
+    torchrun,
+)
 
 from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
@@ -120,3 +129,29 @@ def test_pyreft_command_line_on_four_processes(pyreft_command_line, pyreft_examp
     assert "global batch 32 = 4 per device x 4 processes x 2 accumulation" in result.stdout
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert_same_run(tmp_path, pyreft_example_run[0])
+
+
+def test_packed_runs_on_one_and_two_processes_train_the_model_of_the_padded_run(runs):
+    """--packing: each rank's share of a global batch (the same plan of 8 examples) cut into packs of at most 512
+    tokens (several packs a share); train.py, and 2 ranks under DDP with --gradient_checkpointing,
+    train the padded run's model: the same weights, per-step loss, gradient norm and eval loss (evaluated
+    padded), within float noise. The packed run resumed from its checkpoint-4 (inside epoch 2) is the
+    uninterrupted one exactly."""
+    root, data = runs
+    packed = [*data, "--output_dir", root / "packed", "--packing", "--packing_max_tokens", "512",
+              "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4", "--save_strategy", "steps",
+              "--save_steps", "4"]
+    status, stdout, stderr = run_in_process("train.py", packed)
+    assert status == 0, stderr[-3000:]
+    assert "global batch 8 = 2 per device x 4 accumulation, packed into micro-batches of up to 512 tokens" in stdout
+    assert_same_run(root / "packed", root / "single")
+    copy_as_killed(root / "packed", root / "packed-resumed", 4)
+    status, stdout, stderr = run_in_process("train.py", [*packed, "--output_dir", root / "packed-resumed",
+                                                         "--resume_from_checkpoint", "auto"])
+    assert status == 0 and "at step 4" in stdout, stderr[-3000:]
+    assert_same_run(root / "packed-resumed", root / "packed", exact=True)
+    result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "packed-ddp"), "--packing",
+                          "--packing_max_tokens", "512", "--per_device_train_batch_size", "2",
+                          "--gradient_accumulation_steps", "2", "--gradient_checkpointing"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(root / "packed-ddp", root / "single")
