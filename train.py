@@ -96,7 +96,7 @@ def run(args, device, gpus: list[int], started: float) -> None:
     if resume_from is not None:
         loaded = load_checkpoint(resume_from)
         step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
-            loaded, args, reft_model, None, scheduler, 0, 1, len(dataset), device, fingerprint)
+            loaded, args, reft_model, None, scheduler, 0, 1, len(dataset), gpus, fingerprint)
         optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
     summary = describe(reft_model, len(dataset), strategy.placed if strategy.device_map else device)
     train_model = strategy.wrap(reft_model, optimizer, scheduler, optimizer_state)
@@ -111,7 +111,7 @@ def run(args, device, gpus: list[int], started: float) -> None:
         """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the plan."""
         return save_checkpoint(args.output_dir, step, reft_model, trainer_state(
             step=step, epoch=epoch, next_batch=next_batch, window=window.totals().tolist(),
-            optimizer_state=optimizer.state_dict(), scheduler=scheduler, rng_states=[rng_state(device)], args=args,
+            optimizer_state=optimizer.state_dict(), scheduler=scheduler, rng_states=[rng_state(gpus)], args=args,
             world_size=1, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint),
             args.save_total_limit)
 

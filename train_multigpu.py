@@ -130,7 +130,7 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
     if resume_from is not None:
         loaded = main_rank_result(lambda: load_checkpoint(resume_from), is_main, device)
         step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
-            loaded, args, reft_model, None, scheduler, rank, world_size, len(dataset), device, fingerprint)
+            loaded, args, reft_model, None, scheduler, rank, world_size, len(dataset), gpus, fingerprint)
         optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
     summary = describe(reft_model, len(dataset), device)  # before a strategy partitions the parameters
     train_model = strategy.wrap(reft_model, optimizer, scheduler, optimizer_state)
@@ -149,7 +149,7 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
     def checkpoint(epoch: int, next_batch: int):
         """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
         rng_states = [None] * world_size
-        dist.all_gather_object(rng_states, rng_state(device))
+        dist.all_gather_object(rng_states, rng_state(gpus))
         global_window = window.totals()  # the logging window so far, summed over ranks
         dist.all_reduce(global_window)
         optimizer_state = strategy.optimizer_state()  # under DeepSpeed, assembled from the partitions
@@ -195,7 +195,7 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
                 sys.exit(stop.exit_code if stop.received else 1)
             learning_rate = scheduler.get_last_lr()[0]
             backward_step(strategy, train_model, micro_batches, sampler.micro_steps(index), placeholder,
-                          step_label_tokens, window, device)
+                          step_label_tokens, window, device, gpus)
             grad_norm = strategy.step()
             step += 1
             progress.update()
@@ -247,12 +247,12 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
 
 
 def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps: int, placeholder: dict,
-                  step_label_tokens: int, window, device) -> None:
+                  step_label_tokens: int, window, device, gpus: list[int]) -> None:
     """Forward and backward of this rank's micro-batches of one optimizer step, each weighted by the label
     tokens of the whole global batch. A share short of `micro_steps` (the accumulation steps; with --packing,
     the most packs of any rank) runs zero-weight placeholders, as many as the strategy's collectives need;
-    they draw no dropout masks (the RNG state is put back), so the real micro-batches draw the same ones under
-    every strategy."""
+    they draw no dropout masks (the RNG states of the host and of the process's `gpus` are put back), so the
+    real micro-batches draw the same ones under every strategy."""
     import contextlib
 
     import torch
@@ -262,10 +262,9 @@ def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps:
 
     missing = micro_steps - len(micro_batches)
     micro_batches = [*micro_batches, *[None] * strategy.placeholders(missing)]
-    rng_devices = [device] if device.type == "cuda" else []  # fork_rng saves the CPU generator's state always
     for micro_step, batch in enumerate(micro_batches):
         with (strategy.micro_step(last=micro_step == len(micro_batches) - 1),
-              torch.random.fork_rng(rng_devices) if batch is None else contextlib.nullcontext()):
+              torch.random.fork_rng(gpus) if batch is None else contextlib.nullcontext()):
             summed_loss = summed_token_loss(train_model, batch or placeholder, device)
             if batch is None:
                 summed_loss = summed_loss * 0.0

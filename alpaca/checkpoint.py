@@ -50,8 +50,9 @@ OLD_FORMAT = ("written by an older version of these scripts, whose trainer state
               "with --overwrite_output_dir")
 
 
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """Every random generator training draws from, as tensors (a weights-only load accepts them)."""
+def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
+    """Every random generator training draws from, as tensors (a weights-only load accepts them): the host's
+    and those of the process's GPUs (several under --device_map, whose interventions draw dropout on each)."""
     _, python_state, python_gauss = random.getstate()
     _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
     state = {"python": torch.tensor(python_state, dtype=torch.int64),
@@ -60,20 +61,26 @@ def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
              "numpy_pos": torch.tensor([numpy_pos, numpy_has_gauss], dtype=torch.int64),
              "numpy_gauss": torch.tensor(numpy_gauss, dtype=torch.float64),
              "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
+    for index, gpu in enumerate(gpus):
+        state[cuda_rng_key(index)] = torch.cuda.get_rng_state(gpu)
     return state
 
 
-def restore_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+def cuda_rng_key(index: int) -> str:
+    """The process's first GPU under "cuda", as before device maps; its others after it."""
+    return "cuda" if index == 0 else f"cuda{index}"
+
+
+def restore_rng_state(state: dict[str, torch.Tensor], gpus: list[int]) -> None:
     python_gauss = state["python_gauss"].item()
     random.setstate((3, tuple(state["python"].tolist()), None if np.isnan(python_gauss) else python_gauss))
     numpy_pos, numpy_has_gauss = state["numpy_pos"].tolist()
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), numpy_pos, numpy_has_gauss,
                          state["numpy_gauss"].item()))
     torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+    for index, gpu in enumerate(gpus):
+        if cuda_rng_key(index) in state:
+            torch.cuda.set_rng_state(state[cuda_rng_key(index)], gpu)
 
 
 def _fixed_buffers(intervention) -> dict[str, torch.Tensor]:
@@ -266,7 +273,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, optimizer,
-                           scheduler, rank: int, world_size: int, num_examples: int, device: torch.device,
+                           scheduler, rank: int, world_size: int, num_examples: int, gpus: list[int],
                            fingerprint: dict):
     """Load a checkpoint into the training objects; returns where training goes on:
     (step, epoch, next batch, logging window, wandb run id). `optimizer` None: the caller loads the
@@ -287,7 +294,7 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
         optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
-        restore_rng_state(saved["rng"][rank], device)
+        restore_rng_state(saved["rng"][rank], gpus)
     # The saved window is the sum over ranks. Its loss part carries on, so the logged loss is an uninterrupted
     # run's; its token count does not, since tokens/s restarts with the clock.
     loss_sum, label_tokens, _ = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]

@@ -95,3 +95,19 @@ def test_gpus_that_do_not_divide_among_the_processes(tiny_model, tmp_path):
     message = ("train_multigpu.py: error: --device_map gives each process an equal group of the node's GPUs, but 3 "
                "GPUs do not divide among 2 processes; launch with --nproc_per_node one of 1, 3")
     assert result.stderr.count(message) == 1, result.stderr[-3000:]
+
+
+def test_a_checkpoint_keeps_the_random_state_of_every_gpu_of_the_process(monkeypatch):
+    """A device map runs interventions, and their dropout, on each GPU of the process: a checkpoint keeps every
+    one's generator (the first under "cuda", as before device maps), and a resume puts each back on its GPU.
+    (CUDA's generators faked: no GPU here.)"""
+    from alpaca.checkpoint import restore_rng_state, rng_state
+
+    generators = {2: torch.tensor([2], dtype=torch.uint8), 3: torch.tensor([3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda gpu: generators[gpu].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, gpu: generators.__setitem__(gpu, state.clone()))
+    saved = rng_state([2, 3])
+    assert torch.equal(saved["cuda"], torch.tensor([2], dtype=torch.uint8))
+    generators.update({2: torch.tensor([7], dtype=torch.uint8), 3: torch.tensor([7], dtype=torch.uint8)})
+    restore_rng_state(saved, [2, 3])
+    assert generators[2].item() == 2 and generators[3].item() == 3
