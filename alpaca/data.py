@@ -427,6 +427,7 @@ class Collator:
         # Position 0 predicts nothing, so a label there is never counted.
         labels[:, 0] = IGNORE_INDEX
         labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
+        first_label = int(labelled_columns[0]) if len(labelled_columns) else width
         # Every example has at least one output token after its prompt, so the last column is never a
         # prompt position; its hidden state only feeds its own logits, which predict nothing (causal
         # attention, shifted labels). Intervening there is a no-op: a safe padding position.
@@ -450,7 +451,11 @@ class Collator:
             # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
             # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
             # host, so that the training step never reads them back from the device.
-            "first_label_position": int(labelled_columns[0]) if len(labelled_columns) else width,
+            "first_label_position": first_label,
+            # The logits the loss needs (from the column before the first label, `token_losses`), counted up to
+            # a multiple of pad_to_multiple_of as the width is: no more kept-logit shapes than widths.
+            "num_kept_logits": min(width, -(-(width - first_label + 1) // self.pad_to_multiple_of)
+                                   * self.pad_to_multiple_of),
             "num_label_tokens": int((labels != IGNORE_INDEX).sum()),
             "num_intervened_positions": int(sum(mask.sum() for mask in intervention_mask)),
             "num_tokens": sum(len(example["input_ids"]) for example in examples),

@@ -16,6 +16,7 @@ from alpaca.errors import UsageError
 from alpaca.manifest import cached_directory, sha256
 from alpaca.sharding import empty_base_model
 from alpaca.workarounds import (
+    causal_attention_without_mask_checks,
     compute_in_float32,
     import_pyreft,
     keep_foreign_hooks,
@@ -214,6 +215,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     keep_foreign_hooks(reft_model)
     compute_in_float32(reft_model)
     scatter_on_device(reft_model)
+    causal_attention_without_mask_checks(model)
     set_train_mode(reft_model, True)
     return reft_model
 
