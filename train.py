@@ -186,6 +186,7 @@ def load_data_and_model(args, dtype, position: tuple[int, int], device):
     from alpaca.model import (
         build_reft_model,
         check_model,
+        compile_decoder_layers,
         enable_gradient_checkpointing,
         load_base_model,
         num_intervened_layers,
@@ -201,6 +202,8 @@ def load_data_and_model(args, dtype, position: tuple[int, int], device):
                              for split in (records, eval_records)]
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if args.torch_compile:
+        compile_decoder_layers(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
                                   args.intervention, args.component)

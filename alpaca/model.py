@@ -281,6 +281,22 @@ def enable_gradient_checkpointing(model) -> None:
         checkpoint(layer)
 
 
+def compile_decoder_layers(model) -> None:
+    """--torch_compile: each decoder layer's `forward` compiled, as torchtune compiles per layer. Below the module's
+    hooks, not the module (`layer.compile()`): pyvene adds and removes its hooks at every forward, which Dynamo's
+    hook guards (skipped by default) would not see. All layers share one code object, so a shape compiles once for
+    all of them; `dynamic=None` lets Dynamo mark a dimension dynamic once it changes, so the graphs stay bounded
+    by the shapes (tests/test_multigpu.py counts them). A forward with a KV cache (generation) runs eager: each
+    new cache length would be a new graph."""
+    for layer in decoder_layers(model):
+        eager, compiled = layer.forward, torch.compile(layer.forward, dynamic=True)
+
+        def forward(*args, eager=eager, compiled=compiled, **kwargs):
+            return (compiled if kwargs.get("past_key_values") is None else eager)(*args, **kwargs)
+
+        layer.forward = forward
+
+
 def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:
     """Trainable intervention parameters, each once (shared interventions appear under several keys)."""
     seen, named = set(), []

@@ -269,6 +269,11 @@ def eval_losses(directory) -> dict[int, float]:
 # near zero; it does not grow with the steps of these runs. A wrong gradient scale or a lost example is far
 # above both.
 RTOL, WEIGHTS_RTOL = 1e-6, 2e-6
+# --torch_compile against eager: Inductor computes the RMSNorm (which Llama does in float32) in another order, which
+# moves a layer's output by 4e-8 (relative; float32's spacing is 1.2e-7); attention and MLP match exactly. Over 9
+# steps of the tiny model's peaked attention that became 1.3e-6 in the grad norm and 2.8e-6 in the weights
+# (measured); a wrong gradient scale or a lost example is still far above these.
+COMPILED_RTOL, COMPILED_WEIGHTS_RTOL = 5e-6, 1e-5
 COMPARED = ("loss", "grad_norm", "eval_loss")
 
 
@@ -278,7 +283,8 @@ def logged_values(directory) -> dict[str, dict[int, float]]:
     return {key: {record["step"]: record[key] for record in records if key in record} for key in COMPARED}
 
 
-def assert_same_run(actual_dir, expected_dir, exact: bool = False) -> None:
+def assert_same_run(actual_dir, expected_dir, exact: bool = False, rtol: float = RTOL,
+                    weights_rtol: float = WEIGHTS_RTOL) -> None:
     """The comparison of every equivalence test: the saved interventions, and the loss, grad norm and eval loss
     at every logged step. `exact` where both runs have the same process count and arithmetic (a resumed run
     and an uninterrupted one): bit-identical; else within float noise.
@@ -293,7 +299,7 @@ def assert_same_run(actual_dir, expected_dir, exact: bool = False) -> None:
             assert torch.equal(actual[key], expected[key]), key
         else:
             deviation = (actual[key].double() - expected[key]).norm() / expected[key].double().norm()
-            assert deviation <= WEIGHTS_RTOL, (key, deviation.item())
+            assert deviation <= weights_rtol, (key, deviation.item())
     actual_log, expected_log = logged_values(actual_dir), logged_values(expected_dir)
     assert expected_log["loss"] and expected_log["grad_norm"]
     for key in COMPARED:
@@ -301,7 +307,7 @@ def assert_same_run(actual_dir, expected_dir, exact: bool = False) -> None:
         if exact:
             assert actual_log[key] == expected_log[key], key
         else:
-            assert actual_log[key] == pytest.approx(expected_log[key], rel=RTOL, abs=0), key
+            assert actual_log[key] == pytest.approx(expected_log[key], rel=rtol, abs=0), key
 
 
 RECIPES = REPO / "examples" / "launch"
