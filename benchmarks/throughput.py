@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py                         # SmolLM2, ../shared/data/alpaca_en_demo.json if present
     python benchmarks/throughput.py --batch_sizes 8,32,64 --model_shape llama-3.2-1b   # on a GPU
-    python benchmarks/throughput.py --num_examples 236 --repeats 2      # on a CPU: 30 steps of batch 8
+    python benchmarks/throughput.py --num_examples 236 --repeats 2      # on a CPU: 30 steps of batch 8, ~1 h
 
 Each variant is a set of flags (VARIANTS) for a process of its own per batch size, so that its peak memory is its
 own; adding one (a packed step, another attention backend) is one more entry:
@@ -15,7 +15,7 @@ own; adding one (a packed step, another attention backend) is one more entry:
   compiled  eager with --torch_compile (each decoder layer's forward compiled)
 
 How it times (docs/performance.md, Method): every variant trains on the same --num_examples examples (seeded),
-an epoch of them per timed window, repeated until a window holds at least MIN_TIMED_STEPS steps. Before timing,
+an epoch of them per timed window, repeated until a window holds at least --min_steps (30) steps. Before timing,
 each variant runs one step of every distinct step shape of that window (each padded width, the partial last
 batch): shape-keyed work (cuDNN plans, compiled graphs, allocator blocks) is never inside a timed window. The
 window is timed --repeats times, with CUDA events on a GPU; the table gives the median and the range of
@@ -59,6 +59,8 @@ def parse_args() -> argparse.Namespace:
                         help="train on this many examples of --data_path (seeded; default: all), an epoch of them "
                              "per timed window (several epochs if one has under 30 steps)")
     parser.add_argument("--repeats", type=int, default=3, help="timed windows per variant: median and range")
+    parser.add_argument("--min_steps", type=int, default=MIN_TIMED_STEPS,
+                        help="steps a timed window holds at least (whole epochs)")
     parser.add_argument("--batch_sizes", default=None,
                         help="per-device batch sizes, comma-separated; default: 8,32,64 on CUDA, 8 on CPU")
     parser.add_argument("--variants", default=None,
@@ -185,7 +187,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers)
         del reft_model._scatter_intervention_output  # pyvene's own, with its host-to-device copy in each hook
     steps_per_epoch = -(-len(dataset) // batch_size)
-    epochs = range(-(-MIN_TIMED_STEPS // steps_per_epoch))
+    epochs = range(-(-args.min_steps // steps_per_epoch))
 
     def window():
         """The timed window's steps (each a list of micro-batches): the same ones every time it is walked."""
@@ -352,7 +354,7 @@ def main() -> None:
         sys.exit(f"--variants {args.variants}: {'unknown ' + unknown[0] if unknown else 'the baseline is missing'}; "
                  f"choose among {', '.join(VARIANTS)}, with baseline")
     print(f"model {args.model_name_or_path} ({args.model_shape}) | data {args.data_path}, "
-          f"{args.num_examples or 'all'} examples | each timed window: >= {MIN_TIMED_STEPS} steps, whole epochs, "
+          f"{args.num_examples or 'all'} examples | each timed window: >= {args.min_steps} steps, whole epochs, "
           f"after one step of each of its shapes; {args.repeats} repeats | layers {args.layers}, rank {args.rank}")
     roof, roof_shape = matmul_flops()
     header_printed = False
