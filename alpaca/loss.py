@@ -20,9 +20,10 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
 
     Only positions that predict a label need the vocabulary projection: `logits_to_keep` skips the
     columns before the micro-batch's first label, found by the collator in the labels themselves (the LM
-    head is ~a fifth of a small model's FLOPs). It is given as positions, `num_kept_logits` of them up to the
-    last: the collator rounds that count up as it rounds the width (--pad_to_multiple_of), so the kept logits
-    take no more shapes than the batches do (none new per batch), and arange on the device reads nothing back.
+    head is ~a fifth of a small model's FLOPs). It keeps the last `num_kept_logits` positions, a count the collator
+    rounds up as it rounds the width (--pad_to_multiple_of): the kept logits take no more shapes than the batches
+    do, none new per batch. An int, not a tensor of positions (which transformers also takes): the head then runs
+    on a view of the hidden states, not a gathered copy, and the compiled layers (--torch_compile) never see it.
     """
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
@@ -30,7 +31,7 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     first_kept = width - batch["num_kept_logits"]
     inputs = {
         "input_ids": input_ids,
-        "logits_to_keep": torch.arange(first_kept, width, device=device),
+        "logits_to_keep": batch["num_kept_logits"],
         # No KV cache in training: it is never read, and an activation-checkpointed layer recomputed in
         # the backward pass would append its keys to the cache a second time.
         "use_cache": False,
