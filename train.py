@@ -190,6 +190,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
     from alpaca.model import (
         build_reft_model,
         check_model,
+        compile_decoder_layers,
         enable_gradient_checkpointing,
         num_intervened_layers,
     )
@@ -204,6 +205,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
                              for split in (records, eval_records)]
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if args.torch_compile:
+        compile_decoder_layers(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
                                   args.intervention, args.component)

@@ -282,7 +282,13 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     from alpaca.checkpoint import training_fingerprint
     from alpaca.data import Collator, load_splits, prepare_dataset
     from alpaca.distributed import first_on_local_main, run_checked
-    from alpaca.model import build_reft_model, check_model, enable_gradient_checkpointing, num_intervened_layers
+    from alpaca.model import (
+        build_reft_model,
+        check_model,
+        compile_decoder_layers,
+        enable_gradient_checkpointing,
+        num_intervened_layers,
+    )
 
     rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
     records, eval_records = run_checked(
@@ -299,6 +305,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
                          "at least one; use fewer processes or more data")
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if args.torch_compile:
+        compile_decoder_layers(model)
     torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
     reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
                                   args.intervention, args.component)

@@ -484,6 +484,7 @@ class Collator:
         window and the counts, from `labels` and `locations` (whose padding position is the last column)."""
         width = labels.shape[1]
         labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
+        first_label = int(labelled_columns[0]) if len(labelled_columns) else width
         # True at the real positions, False at the padding ones (the last column is never a real one): a loss
         # term over the intervened positions sums under this mask, or it also sums over padding, which depends
         # on how the step is cut into micro-batches and ranks.
@@ -497,7 +498,11 @@ class Collator:
             # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
             # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
             # host, so that the training step never reads them back from the device.
-            "first_label_position": int(labelled_columns[0]) if len(labelled_columns) else width,
+            "first_label_position": first_label,
+            # The logits the loss needs (from the column before the first label, `token_losses`), counted up to
+            # a multiple of pad_to_multiple_of as the width is: no more kept-logit shapes than widths.
+            "num_kept_logits": min(width, -(-(width - first_label + 1) // self.pad_to_multiple_of)
+                                   * self.pad_to_multiple_of),
             "num_label_tokens": int((labels != IGNORE_INDEX).sum()),
             "num_intervened_positions": int(sum(mask.sum() for mask in intervention_mask)),
             "num_tokens": sum(len(example["input_ids"]) for example in examples),

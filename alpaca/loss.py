@@ -20,15 +20,16 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
 
     Only positions that predict a label need the vocabulary projection: `logits_to_keep` skips the
     columns before the micro-batch's first label, found by the collator in the labels themselves (the LM
-    head is ~a fifth of a small model's FLOPs).
+    head is ~a fifth of a small model's FLOPs). It keeps the last `num_kept_logits` positions, a count the collator
+    rounds up as it rounds the width (--pad_to_multiple_of): the kept logits take no more shapes than the batches
+    do, none new per batch. An int, not a tensor of positions (which transformers also takes): the head then runs
+    on a view of the hidden states, not a gathered copy, and the compiled layers (--torch_compile) never see it.
     """
     input_ids = batch["input_ids"].to(device, non_blocking=True)
-    # Position t predicts label t + 1.
-    first_predicting = batch["first_label_position"] - 1
-    keep = input_ids.shape[1] - first_predicting
+    first_kept = input_ids.shape[1] - batch["num_kept_logits"]
     inputs = {
         "input_ids": input_ids,
-        "logits_to_keep": keep,
+        "logits_to_keep": batch["num_kept_logits"],
         # No KV cache in training: it is never read, and an activation-checkpointed layer recomputed in
         # the backward pass would append its keys to the cache a second time.
         "use_cache": False,
@@ -43,10 +44,11 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     # already there, a copy on the device. So they go there once per micro-batch, asynchronously.
     locations = [torch.as_tensor(window).to(device, non_blocking=True) for window in batch["intervention_locations"]]
     _, outputs = reft_model(inputs, unit_locations={"sources->base": (None, locations)})
-    logits = outputs.logits[:, :-1]
+    # Position t predicts label t + 1; the kept window's first columns may precede the first predicting one.
+    logits = outputs.logits[:, batch["first_label_position"] - 1 - first_kept : -1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # cross-entropy of bf16 logits in fp32
     # where the head computed the logits (a device map's last device, alpaca.device_map)
-    targets = batch["labels"].to(logits.device, non_blocking=True)[:, first_predicting + 1 :]
+    targets = batch["labels"].to(logits.device, non_blocking=True)[:, batch["first_label_position"] :]
     losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                              reduction="none")
     return losses.view(targets.shape)

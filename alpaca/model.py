@@ -16,6 +16,7 @@ from alpaca.errors import UsageError
 from alpaca.manifest import cached_directory, sha256
 from alpaca.sharding import empty_base_model
 from alpaca.workarounds import (
+    causal_attention_without_mask_checks,
     compute_in_float32,
     import_pyreft,
     keep_foreign_hooks,
@@ -222,6 +223,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     keep_foreign_hooks(reft_model)
     compute_in_float32(reft_model)
     scatter_on_device(reft_model)
+    causal_attention_without_mask_checks(model)
     set_train_mode(reft_model, True)
     return reft_model
 
@@ -285,6 +287,22 @@ def enable_gradient_checkpointing(model) -> None:
 
     for layer in decoder_layers(model):
         checkpoint(layer)
+
+
+def compile_decoder_layers(model) -> None:
+    """--torch_compile: each decoder layer's `forward` compiled, as torchtune compiles per layer. Below the module's
+    hooks, not the module (`layer.compile()`): pyvene adds and removes its hooks at every forward, which Dynamo's
+    hook guards (skipped by default) would not see. All layers share one code object, so a shape compiles once for
+    all of them; `dynamic=None` lets Dynamo mark a dimension dynamic once it changes, so the graphs stay bounded
+    by the shapes (tests/test_multigpu.py counts them). A forward with a KV cache (generation) runs eager: each
+    new cache length would be a new graph."""
+    for layer in decoder_layers(model):
+        eager, compiled = layer.forward, torch.compile(layer.forward, dynamic=True)
+
+        def forward(*args, eager=eager, compiled=compiled, **kwargs):
+            return (compiled if kwargs.get("past_key_values") is None else eager)(*args, **kwargs)
+
+        layer.forward = forward
 
 
 def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:

@@ -103,6 +103,39 @@ def set_train_mode(reft_model, training: bool) -> None:
     reft_model.interventions.train(training)
 
 
+# The name of `causal_attention_without_mask_checks`'s attention function in transformers' AttentionInterface.
+MASKLESS_SDPA = "sdpa_causal_no_mask"
+
+
+def causal_attention_without_mask_checks(model) -> None:
+    """transformers (5.x) prepares the attention mask in every forward; given no mask and no cache, as in our training
+    and evaluation steps, it looks for packed sequences in the position ids (`find_packed_sequence_indices`), whose
+    `.all()` blocks the host in each forward. An attention function under a name of our own, with no mask function
+    registered, makes `create_causal_mask` return None at once: the layers get no mask, and the function is
+    transformers' own SDPA one, which then runs plain causal attention (the same logits, tested). So only a
+    forward with neither a mask, position ids nor a cache uses it (a pre-hook chooses per forward); any other
+    (generation, a masked baseline, a pack) goes through "sdpa" and its masks as before. Only for a model on "sdpa"."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        return
+    AttentionInterface.register(MASKLESS_SDPA, sdpa_attention_forward)
+
+    def choose_attention(module, args, kwargs) -> None:
+        if config._attn_implementation not in ("sdpa", MASKLESS_SDPA):
+            return  # another implementation was set since (set_attn_implementation)
+        # position_ids: a pack (--packing), whose examples only the mask built from them keeps apart
+        maskless = (not args and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is None
+                    and kwargs.get("past_key_values") is None and kwargs.get("use_cache") is False)
+        implementation = MASKLESS_SDPA if maskless else "sdpa"
+        if config._attn_implementation != implementation:
+            config._attn_implementation = implementation
+
+    model.register_forward_pre_hook(choose_attention, with_kwargs=True)
+
+
 def register_layout(model) -> None:
     """pyvene finds the module of a component ('block_output') in `pyvene.type_to_module_mapping[type(model)]`,
     a table of nine decoder-only families (GPT-2, GPT-Neo, GPT-NeoX, Gemma, Gemma 2, Llama, Mistral, OLMo,

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU checks on one GPU, in about 11 minutes (each part has a timeout; sections 2-4 take 5). Run from the
-# repository root, with the project's Python as PYTHON (default: python) and the model as MODEL (default: the embedded
-# SmolLM2; a directory with the same shapes measures the same speed: benchmarks/random_model.py makes one from
-# config and tokenizer alone). Each throughput batch size takes about 80 s on an H200. Prints, in order:
-#   1. the throughput table (ours vs the HF/pyreft baseline) at per-device batch 8 and 32 on SmolLM2-135M,
-#      and at 8 on Llama-3.2-1B's shape (random weights);
-#   2. the host syncs left in train.py's step (torch.cuda.set_sync_debug_mode("warn"));
+# The GPU checks on one GPU (each part has a timeout). Run from the repository root, with the project's Python as
+# PYTHON (default: python) and the model as MODEL (default: the embedded SmolLM2; a directory with the same shapes
+# measures the same speed: benchmarks/random_model.py makes one from config and tokenizer alone). Prints, in order:
+#   1. the throughput table (benchmarks/throughput.py: warmed shapes, CUDA events, median and range of 3 windows,
+#      MFU two ways) of VARIANTS (default baseline,eager,compiled; each a flag set of throughput.py's VARIANTS, so a
+#      packed step is one more name there) on the same NUM_EXAMPLES examples (default 256: >= 30 steps a window):
+#      1a. SmolLM2-135M at per-device batch 8, 32 and 64;  1b. Llama-3.2-1B's shape (random weights) at 8 and 32;
+#      1c. the attention backend: baseline and eager with cuDNN's SDPA off, SmolLM2 at 8 and the 1B shape at 8
+#          (against 1a/1b: pick the faster, docs/performance.md);  1d. Llama-3.1-8B's shape (random bf16) at 8.
+#      Not yet run on a GPU: the timeouts are estimates (a compiled variant compiles first: about a minute);
+#   2. the host syncs left in train.py's step (torch.cuda.set_sync_debug_mode("warn")); it fails if one is in a
+#      forward;
 #   3. train.py against train_multigpu.py on 1 process (NCCL, DDP) and with --fsdp: max weight and loss
 #      differences, next to two identical train.py runs (bf16 kernels are not bitwise deterministic);
 #   4. the same in float32 for --fsdp and DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload, 2 epochs of the
 #      shipped sample (130 records, global batch 32: each epoch's last step has 1 micro-batch of 2, so FSDP and
 #      DeepSpeed run 3 placeholders there) with dropout 0.1: placeholders draw no dropout masks on CUDA either.
-# SECTIONS picks some (default: "1a 1b 2 3 4").
+# SECTIONS picks some (default: "1a 1b 1c 2 3 4"; 1d when asked).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
@@ -19,7 +24,10 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
                 || echo examples/data/alpaca_sample.json )}
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SECTIONS=" ${SECTIONS:-1a 1b 2 3 4} "
+SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4} "
+VARIANTS=${VARIANTS:-baseline,eager,compiled}
+THROUGHPUT=($PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA"
+            --num_examples "${NUM_EXAMPLES:-256}" --repeats 3)
 section() { echo; echo "=== $* ($(date +%T))"; }
 wants() { [[ $SECTIONS == *" $1 "* ]]; }
 
@@ -30,13 +38,22 @@ $PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'cuda'
 
 if wants 1a; then
   section "1a. throughput, SmolLM2-135M"
-  timeout 200 $PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA" --batch_sizes 8,32 \
-      --steps 12 || echo "(failed)"
+  timeout 480 "${THROUGHPUT[@]}" --variants "$VARIANTS" --batch_sizes 8,32,64 || echo "(failed)"
 fi
 if wants 1b; then
   section "1b. throughput, Llama-3.2-1B shape"
-  timeout 100 $PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA" --batch_sizes 8 \
-      --steps 8 --model_shape llama-3.2-1b || echo "(failed)"
+  timeout 420 "${THROUGHPUT[@]}" --variants "$VARIANTS" --batch_sizes 8,32 --model_shape llama-3.2-1b \
+      || echo "(failed)"
+fi
+if wants 1c; then
+  section "1c. attention backend: cuDNN's SDPA off (against 1a and 1b's baseline and eager rows)"
+  timeout 150 "${THROUGHPUT[@]}" --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off || echo "(failed)"
+  timeout 200 "${THROUGHPUT[@]}" --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off \
+      --model_shape llama-3.2-1b || echo "(failed)"
+fi
+if wants 1d; then
+  section "1d. throughput, Llama-3.1-8B shape (random bf16 weights built on the GPU)"
+  timeout 480 "${THROUGHPUT[@]}" --variants "$VARIANTS" --batch_sizes 8 --model_shape llama-3.1-8b || echo "(failed)"
 fi
 
 # compare REFERENCE NAME...: each run's max weight and loss differences from REFERENCE's (directories in $OUT)

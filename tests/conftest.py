@@ -273,6 +273,11 @@ RTOL, WEIGHTS_RTOL = 1e-6, 2e-6
 # same but for the odd element, one bf16 spacing (2^-8) off, and a loss moves by up to 1.6e-5 (measured: DeepSpeed
 # against DDP, an eval loss). A training step moves the eval loss by about 6e-4, 6 times this tolerance.
 BF16_RTOL = 1e-4
+# --torch_compile against eager: Inductor computes the RMSNorm (which Llama does in float32) in another order, which
+# moves a layer's output by 4e-8 (relative; float32's spacing is 1.2e-7); attention and MLP match exactly. Over 9
+# steps of the tiny model's peaked attention that became 1.3e-6 in the grad norm and 2.8e-6 in the weights
+# (measured); a wrong gradient scale or a lost example is still far above these.
+COMPILED_RTOL, COMPILED_WEIGHTS_RTOL = 5e-6, 1e-5
 COMPARED = ("loss", "grad_norm", "eval_loss")
 
 
@@ -282,7 +287,8 @@ def logged_values(directory) -> dict[str, dict[int, float]]:
     return {key: {record["step"]: record[key] for record in records if key in record} for key in COMPARED}
 
 
-def assert_same_run(actual_dir, expected_dir, exact: bool = False, rtol: float = RTOL) -> None:
+def assert_same_run(actual_dir, expected_dir, exact: bool = False, rtol: float = RTOL,
+                    weights_rtol: float = WEIGHTS_RTOL) -> None:
     """The comparison of every equivalence test: the saved interventions, and the loss, grad norm and eval loss
     at every logged step. `exact` where both runs have the same process count and arithmetic (a resumed run
     and an uninterrupted one): bit-identical; else within float noise, `rtol` for the logged values.
@@ -297,7 +303,7 @@ def assert_same_run(actual_dir, expected_dir, exact: bool = False, rtol: float =
             assert torch.equal(actual[key], expected[key]), key
         else:
             deviation = (actual[key].double() - expected[key]).norm() / expected[key].double().norm()
-            assert deviation <= WEIGHTS_RTOL, (key, deviation.item())
+            assert deviation <= weights_rtol, (key, deviation.item())
     actual_log, expected_log = logged_values(actual_dir), logged_values(expected_dir)
     assert expected_log["loss"] and expected_log["grad_norm"]
     for key in COMPARED:

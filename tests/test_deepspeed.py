@@ -181,6 +181,7 @@ BAD_CONFIGS = [
     ("zero3 param offload on cpu", json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
      [], "offload_param moves state from GPUs to the CPU"),
     ("with fsdp", ZERO2.read_text(), ["--fsdp"], "--fsdp and --deepspeed are exclusive"),
+    ("compiled", ZERO2.read_text(), ["--torch_compile"], "--torch_compile is not yet tested with --deepspeed"),
     ("fp16", ZERO2.read_text(), ["--dtype", "float16"], "a float16 base needs loss scaling"),
     ("with packing", ZERO2.read_text(), ["--packing"], "--packing and --deepspeed do not combine"),
 ]

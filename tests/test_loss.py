@@ -89,7 +89,7 @@ def test_logits_only_where_labels_exist_give_the_full_loss(setup):
     """`logits_to_keep` skips the prompt prefix: same loss as projecting every position."""
     reft_model, dataset, collate = setup
     batch = collate([dataset[i] for i in range(4)])
-    full = dict(batch, first_label_position=1)  # keep every position's logits
+    full = dict(batch, first_label_position=1, num_kept_logits=batch["input_ids"].shape[1])  # every position's logits
     with torch.no_grad():
         assert summed_token_loss(reft_model, batch, torch.device("cpu")).item() == pytest.approx(
             summed_token_loss(reft_model, full, torch.device("cpu")).item(), rel=1e-12)
@@ -112,7 +112,8 @@ def test_edited_labels_are_all_in_the_loss(setup):
     assert batch["first_label_position"] == min(example["prompt_length"] for example in examples) - 3
     with torch.no_grad():
         losses = token_losses(reft_model, batch, torch.device("cpu"))
-        full = token_losses(reft_model, dict(batch, first_label_position=1), torch.device("cpu"))
+        every_position = dict(batch, first_label_position=1, num_kept_logits=batch["input_ids"].shape[1])
+        full = token_losses(reft_model, every_position, torch.device("cpu"))
     assert int((losses != 0).sum()) == batch["num_label_tokens"] > collate(examples)["num_label_tokens"]
     assert losses.sum().item() == pytest.approx(full.sum().item(), rel=1e-12)
 
@@ -241,3 +242,39 @@ def test_a_pack_is_the_padded_batch(setup, attention):
     per_example = torch.stack([pack_losses[max(start, 0) : max(end, 0)].sum() for start, end in
                                zip(starts[:-1].tolist(), starts[1:].tolist())])
     torch.testing.assert_close(per_example, padded_losses, rtol=1e-10, atol=0)
+
+
+def test_attention_without_mask_checks_gives_sdpas_hidden_states(setup, monkeypatch):
+    """A forward with no mask and no cache (the training step's) runs our registered SDPA function: transformers
+    prepares no mask and never looks for packed sequences (its host sync), and every layer's output is sdpa's
+    bit for bit. A forward with a mask goes through "sdpa" again."""
+    import transformers.masking_utils
+
+    reft_model, dataset, collate = setup
+    model = reft_model.model
+    checks = []
+    find_packed = transformers.masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices",
+                        lambda position_ids: checks.append(1) or find_packed(position_ids))
+    input_ids = collate([dataset[i] for i in range(3)])["input_ids"]
+    with torch.no_grad():
+        ours = model(input_ids=input_ids, use_cache=False, output_hidden_states=True).hidden_states
+        assert checks == [] and model.config._attn_implementation == "sdpa_causal_no_mask"
+        summed_token_loss(reft_model, collate([dataset[i] for i in range(3)]), torch.device("cpu"))
+        assert checks == []
+        model.config._attn_implementation = "sdpa"
+        sdpas = model.model(input_ids=input_ids, use_cache=False, output_hidden_states=True).hidden_states  # no hook
+        assert checks == [1]
+        model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+        assert model.config._attn_implementation == "sdpa"
+    assert len(ours) == len(sdpas) and all(torch.equal(a, b) for a, b in zip(ours, sdpas))
+
+
+def test_kept_logits_take_the_widths_shapes(setup):
+    """--pad_to_multiple_of N: the kept logits are a multiple of N (or the whole width) whatever the first label."""
+    reft_model, dataset, collate = setup
+    rounded = Collator(collate.pad_token_id, POSITION, False, num_layers=2, pad_to_multiple_of=16)
+    for start in range(0, 12, 3):
+        batch = rounded([dataset[i] for i in range(start, start + 3)])
+        width, kept = batch["input_ids"].shape[1], batch["num_kept_logits"]
+        assert width - batch["first_label_position"] + 1 <= kept and (kept % 16 == 0 or kept == width)

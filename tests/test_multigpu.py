@@ -5,6 +5,8 @@ import json
 import torch
 from conftest import (
     COMMON,
+    COMPILED_RTOL,
+    COMPILED_WEIGHTS_RTOL,
     FAULTS,
     assert_same_run,
     copy_as_killed,
@@ -49,6 +51,41 @@ def test_dataloader_workers_rounded_padding_and_gradient_checkpointing_train_the
     assert (args["pad_to_multiple_of"], args["gradient_checkpointing"]) == (16, True)
     assert_same_run(root / "workers", root / "ddp")
     assert threads_left(result.stderr) == ["[]", "[]"], result.stderr[-3000:]
+
+
+def test_compiled_layers_train_the_same_model_in_a_bounded_number_of_graphs(runs):
+    """--torch_compile: one process (in this one, to read Dynamo's counters) and two with
+    --gradient_checkpointing train the eager runs' model, within float noise (conftest.COMPILED_RTOL). The run has
+    a new width at almost every micro-batch (no rounding on the CPU), but the layers compile once per kind of call:
+    with or without grad (training, evaluation), an input that needs grad or not (layers before and after the
+    first intervention), a batch of one example or more (Dynamo specializes sizes 0 and 1). --fsdp is refused."""
+    from torch._dynamo.utils import counters
+
+    root, data = runs
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = ["--per_device_train_batch_size", "2", "--torch_compile"]
+    shapes = set()  # of the hidden states entering the decoder layers
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, inputs: shapes.add(inputs[0].shape) if type(module).__name__ == "LlamaDecoderLayer" else None)
+    try:
+        status, _, stderr = run_in_process("train.py", [*data, "--output_dir", root / "compiled", *compiled,
+                                                        "--gradient_accumulation_steps", "4"])
+    finally:
+        hook.remove()
+    assert status == 0, stderr[-3000:]
+    graphs = counters["stats"]["unique_graphs"]
+    # 8 (the kinds above) is also Dynamo's recompile limit, past which it would run the layers eager
+    assert 0 < graphs <= 2 * 2 * 2 <= torch._dynamo.config.recompile_limit, graphs
+    assert len(shapes) > graphs, shapes  # 14 shapes, 6 graphs
+    assert_same_run(root / "compiled", root / "single", rtol=COMPILED_RTOL, weights_rtol=COMPILED_WEIGHTS_RTOL)
+    result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "compiled-ddp"), *compiled,
+                          "--gradient_accumulation_steps", "2", "--gradient_checkpointing"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(root / "compiled-ddp", root / "ddp", rtol=COMPILED_RTOL, weights_rtol=COMPILED_WEIGHTS_RTOL)
+    status, _, stderr = run_in_process("train_multigpu.py", [*data, "--output_dir", root / "refused", *compiled,
+                                                             "--fsdp"])
+    assert status == 2 and "--torch_compile is not yet tested with --fsdp" in stderr, stderr[-3000:]
 
 
 def test_only_rank_zero_prints_and_writes(runs):
