@@ -208,6 +208,18 @@ def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
     return status, stdout.getvalue(), stderr.getvalue()
 
 
+@contextlib.contextmanager
+def one_thread():
+    """As torchrun runs each worker (OMP_NUM_THREADS=1): a one-process run compared with 2 ranks then differs from
+    them by the process count alone, not by its kernels' summation order over threads too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def copy_as_killed(run_dir: Path, directory: Path, last_checkpoint: int) -> Path:
     """What the finished run in `run_dir` would have left had it been killed after writing checkpoint
     `last_checkpoint` (runs are deterministic): its later checkpoints, its output and later metrics gone."""

@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
 import alpaca.deepspeed  # noqa: E402
-import alpaca.optim  # noqa: E402
 import alpaca.output  # noqa: E402
 import alpaca.strategy  # noqa: E402
 
@@ -36,8 +35,7 @@ class Fault:
     def __init__(self, mode: str | None, fault_step: int, on_this_rank: bool = True):
         self.mode, self.fault_step, self.on_this_rank = mode, fault_step, on_this_rank
         self.steps, self.saving_step = 0, None
-        self.replaced = [(alpaca.optim, "clip_and_step", self.clip_and_step),  # train.py's step
-                         (alpaca.strategy, "clip_and_step", self.clip_and_step),  # DDP's and FSDP's
+        self.replaced = [(alpaca.strategy, "clip_and_step", self.clip_and_step),  # train.py's, DDP's and FSDP's
                          (alpaca.deepspeed, "micro_step", self.deepspeed_micro_step),
                          (alpaca.output, "save_interventions", self.save_interventions),  # the final output
                          (alpaca.checkpoint, "save_interventions", self.save_interventions),  # checkpoints
@@ -67,7 +65,7 @@ class Fault:
 
     def clip_and_step(self, *args, **kwargs):
         self.count_step()
-        return self.original[alpaca.optim, "clip_and_step"](*args, **kwargs)
+        return self.original[alpaca.strategy, "clip_and_step"](*args, **kwargs)
 
     def deepspeed_micro_step(self, engine, loss):
         if engine.is_gradient_accumulation_boundary():  # the step's last micro-batch: DeepSpeed updates after it

@@ -5,7 +5,16 @@ import json
 
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, COMMON, REPO, assert_same_run, run_in_process, torchrun, with_chat_template
+from conftest import (
+    CHAT_TEMPLATE,
+    COMMON,
+    REPO,
+    assert_same_run,
+    one_thread,
+    run_in_process,
+    torchrun,
+    with_chat_template,
+)
 
 from alpaca.data import IGNORE_INDEX, Collator, chat_prompt, load_records, tokenize
 from alpaca.errors import UsageError
@@ -100,8 +109,9 @@ def test_conversations_train_the_same_model_on_1_and_2_processes_and_are_continu
                                                  SAMPLE_CONVERSATIONS.read_text().splitlines()[:9]])
     flags = ["--model_name_or_path", str(tiny_chat_model), "--data_path", data, "--prompt_template", "chat",
              *COMMON, "--num_train_epochs", "2", "--per_device_train_batch_size", "2"]
-    status, _, stderr = run_in_process("train.py", [*flags, "--gradient_accumulation_steps", "2",
-                                                    "--output_dir", str(tmp_path / "one")])
+    with one_thread():
+        status, _, stderr = run_in_process("train.py", [*flags, "--gradient_accumulation_steps", "2",
+                                                        "--output_dir", str(tmp_path / "one")])
     assert status == 0, stderr[-3000:]
     result = torchrun(2, ["train_multigpu.py", *flags, "--output_dir", str(tmp_path / "two")])
     assert result.returncode == 0, result.stderr[-3000:]

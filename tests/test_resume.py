@@ -84,9 +84,9 @@ def test_sigterm_checkpoints_exits_143_and_resumes(stopped_and_resumed, referenc
 
 def test_sigint_checkpoints_and_exits_130(tiny_model, tiny_data, tmp_path, monkeypatch):
     """Ctrl-C: in this process (the exit status the script asks for; the SIGTERM test above sees a real one)."""
-    import alpaca.optim
+    import alpaca.strategy
 
-    clip_and_step = alpaca.optim.clip_and_step
+    clip_and_step = alpaca.strategy.clip_and_step
     steps = []
 
     def interrupted_in_step_3(*args, **kwargs):
@@ -95,7 +95,7 @@ def test_sigint_checkpoints_and_exits_130(tiny_model, tiny_data, tmp_path, monke
             os.kill(os.getpid(), signal.SIGINT)
         return clip_and_step(*args, **kwargs)
 
-    monkeypatch.setattr(alpaca.optim, "clip_and_step", interrupted_in_step_3)
+    monkeypatch.setattr(alpaca.strategy, "clip_and_step", interrupted_in_step_3)
     status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *SINGLE,
                                                          "--save_strategy", "no"))
     assert status == 128 + signal.SIGINT, stderr[-3000:]
