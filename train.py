@@ -193,6 +193,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
         compile_decoder_layers,
         enable_gradient_checkpointing,
         num_intervened_layers,
+        set_attention,
     )
 
     records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
@@ -203,6 +204,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
                              else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir,
                                                   args.prompt_template)
                              for split in (records, eval_records)]
+    set_attention(model, args.attn_implementation, strategy.device)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if args.torch_compile:

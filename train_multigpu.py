@@ -288,6 +288,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
         compile_decoder_layers,
         enable_gradient_checkpointing,
         num_intervened_layers,
+        set_attention,
     )
 
     rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
@@ -303,6 +304,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     if len(dataset) < world_size:
         raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
                          "at least one; use fewer processes or more data")
+    set_attention(model, args.attn_implementation, strategy.device)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if args.torch_compile:

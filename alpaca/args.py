@@ -45,6 +45,12 @@ COMPONENTS = {
     "attention_output": "the layer's self-attention output, before it is added to the residual stream",
 }
 
+# --attn_implementation: transformers' names, and ours for packs through torch's varlen kernel
+# (alpaca.workarounds.varlen_attention).
+VARLEN_ATTENTION = "sdpa_varlen"
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
+                             VARLEN_ATTENTION)
+
 # --device_map's named strategies: transformers' (accelerate's `infer_auto_device_map` under each).
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 # What a device of a JSON --device_map or --max_memory may be (whether it is there is checked once torch is loaded).
@@ -255,6 +261,10 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="where in each layer the interventions act: " + "; ".join(f"{k}: {v}" for k, v in COMPONENTS.items()))
     flag("--gradient_checkpointing", type=str2bool, nargs="?", const=True, default=False,
          help="recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)")
+    flag("--attn_implementation", default="sdpa", choices=ATTENTION_IMPLEMENTATIONS,
+         help="transformers' attention implementation (its names; flash_attention_2/3 need the flash-attn package "
+              f"and a GPU); {VARLEN_ATTENTION}: sdpa, with each pack of --packing through torch's varlen flash kernel "
+              "(CUDA, bf16/fp16), examples apart without a mask over the pack (docs/performance.md)")
     flag("--torch_compile", type=str2bool, nargs="?", const=True, default=False,
          help="compile each decoder layer's forward with torch.compile (below pyvene's hooks); off by default: no "
               "GPU measurement shows a gain yet (docs/performance.md)")
@@ -389,6 +399,9 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError("--fsdp and --deepspeed are exclusive; pick one")
         args.deepspeed_config = load_config(args, int(os.environ.get("WORLD_SIZE", 1)))
     validate_packing(args)
+    if args.attn_implementation == VARLEN_ATTENTION and not args.packing:
+        raise UsageError(f"--attn_implementation {VARLEN_ATTENTION} only changes how packs attend; add --packing, or "
+                         "use sdpa")
     sharding = "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None
     if args.torch_compile and sharding:
         # Their hooks gather and free the base's weights around each layer's forward: not yet tried compiled.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, cache_root, parse_layers
+from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, VARLEN_ATTENTION, cache_root, parse_layers
 from alpaca.errors import UsageError
 from alpaca.manifest import cached_directory, sha256
 from alpaca.sharding import empty_base_model
@@ -24,6 +24,7 @@ from alpaca.workarounds import (
     scatter_on_device,
     set_train_mode,
     trainable_dtype,
+    varlen_attention,
 )
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -287,6 +288,30 @@ def enable_gradient_checkpointing(model) -> None:
 
     for layer in decoder_layers(model):
         checkpoint(layer)
+
+
+def set_attention(model, implementation: str, device: torch.device) -> None:
+    """--attn_implementation. transformers checks what it needs (flash attention's package and device) and its
+    refusal becomes one line; checked here: the dtype of the flash kernels (transformers only warns, the kernel
+    fails at the first forward) and what sdpa_varlen needs (CUDA, no sliding-window layer: `varlen_attention`)."""
+    from transformers import AttentionInterface
+
+    if implementation == VARLEN_ATTENTION:
+        if device.type != "cuda":
+            raise UsageError(f"--attn_implementation {implementation} runs torch's varlen kernel, on CUDA only; use "
+                             "sdpa")
+        if any(getattr(module, "sliding_window", None) for module in model.modules()):
+            raise UsageError(f"--attn_implementation {implementation}: the model has sliding-window attention, which "
+                             "it does not implement; use sdpa or flash_attention_2")
+        AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    try:
+        model.set_attn_implementation(implementation)
+    except (ValueError, ImportError) as error:
+        raise UsageError(f"--attn_implementation {implementation}: {str(error).splitlines()[0]} Or use sdpa.") from None
+    flash = implementation.startswith("flash_attention") or implementation == VARLEN_ATTENTION
+    if flash and model.dtype not in (torch.bfloat16, torch.float16):
+        raise UsageError(f"--attn_implementation {implementation} runs in bfloat16 or float16, not "
+                         f"{str(model.dtype).removeprefix('torch.')}; add --dtype bfloat16, or use sdpa")
 
 
 def compile_decoder_layers(model) -> None:

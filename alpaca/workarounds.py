@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from alpaca.args import COMPONENTS
+from alpaca.args import COMPONENTS, VARLEN_ATTENTION
 
 # pyvene's hooks copy index tensors with torch.tensor(tensor), which warns that clone() is the recommended
 # copy; the copy is what we want.
@@ -114,26 +114,47 @@ def causal_attention_without_mask_checks(model) -> None:
     registered, makes `create_causal_mask` return None at once: the layers get no mask, and the function is
     transformers' own SDPA one, which then runs plain causal attention (the same logits, tested). So only a
     forward with neither a mask, position ids nor a cache uses it (a pre-hook chooses per forward); any other
-    (generation, a masked baseline, a pack) goes through "sdpa" and its masks as before. Only for a model on "sdpa"."""
+    (generation, a masked baseline) goes through "sdpa" and its masks as before, and a pack (--packing) through
+    "sdpa" or, set up with --attn_implementation sdpa_varlen, `varlen_attention`. Only for a model on either."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     config = model.config
-    if config._attn_implementation != "sdpa":
+    packs = config._attn_implementation
+    if packs not in ("sdpa", VARLEN_ATTENTION):
         return
     AttentionInterface.register(MASKLESS_SDPA, sdpa_attention_forward)
 
     def choose_attention(module, args, kwargs) -> None:
-        if config._attn_implementation not in ("sdpa", MASKLESS_SDPA):
+        if config._attn_implementation not in ("sdpa", MASKLESS_SDPA, VARLEN_ATTENTION):
             return  # another implementation was set since (set_attn_implementation)
-        # position_ids: a pack (--packing), whose examples only the mask built from them keeps apart
+        # position_ids: a pack, whose examples only the mask built from them (or varlen's boundaries) keep apart
         maskless = (not args and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is None
                     and kwargs.get("past_key_values") is None and kwargs.get("use_cache") is False)
-        implementation = MASKLESS_SDPA if maskless else "sdpa"
+        implementation = (MASKLESS_SDPA if maskless else packs if kwargs.get("cu_seq_lens_q") is not None
+                          else "sdpa")
         if config._attn_implementation != implementation:
             config._attn_implementation = implementation
 
     model.register_forward_pre_hook(choose_attention, with_kwargs=True)
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """A pack's attention (Collator.pack: one row, `cu_seq_lens_*` its examples' boundaries) through torch's
+    varlen flash kernel, each example causal within itself: no pack x pack mask, no attention computed across
+    examples, where SDPA given a pack's position ids builds a dense block-diagonal mask and computes the whole
+    square. transformers has no attention function over torch's kernel (only over the flash-attn package's), so
+    this is one, registered under VARLEN_ATTENTION with no mask function: transformers builds no mask for it.
+    `query` is [1, heads, tokens, head_dim], key and value with the model's key-value heads; returns
+    [1, tokens, heads, head_dim], as transformers' SDPA function does. No sliding window (refused at setup)."""
+    from torch.nn.attention import varlen
+
+    query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    output = varlen.varlen_attn(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
+                                kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling, window_size=(-1, 0),
+                                enable_gqa=query.shape[1] != key.shape[1])
+    return output.unsqueeze(0), None
 
 
 def register_layout(model) -> None:

@@ -3,8 +3,9 @@
 # PYTHON (default: python) and the model as MODEL (default: the embedded SmolLM2; a directory with the same shapes
 # measures the same speed: benchmarks/random_model.py makes one from config and tokenizer alone). Prints, in order:
 #   1. the throughput table (benchmarks/throughput.py: warmed shapes, CUDA events, median and range of 3 windows,
-#      MFU two ways) of VARIANTS (default baseline,eager,compiled; each a flag set of throughput.py's VARIANTS, so a
-#      packed step is one more name there) on the same NUM_EXAMPLES examples (default 256: >= 30 steps a window):
+#      MFU two ways) of VARIANTS (default baseline,eager,compiled,packed,varlen; each a flag set of throughput.py's
+#      VARIANTS; add flash where flash-attn is installed) on the same NUM_EXAMPLES examples (default 256: >= 30
+#      steps a window):
 #      1a. SmolLM2-135M at per-device batch 8, 32 and 64;  1b. Llama-3.2-1B's shape (random weights) at 8 and 32;
 #      1c. the attention backend: baseline and eager with cuDNN's SDPA off, SmolLM2 at 8 and the 1B shape at 8
 #          (against 1a/1b: pick the faster, docs/performance.md);  1d. Llama-3.1-8B's shape (random bf16) at 8.
@@ -15,8 +16,11 @@
 #      differences, next to two identical train.py runs (bf16 kernels are not bitwise deterministic);
 #   4. the same in float32 for --fsdp and DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload, 2 epochs of the
 #      shipped sample (130 records, global batch 32: each epoch's last step has 1 micro-batch of 2, so FSDP and
-#      DeepSpeed run 3 placeholders there) with dropout 0.1: placeholders draw no dropout masks on CUDA either.
-# SECTIONS picks some (default: "1a 1b 1c 2 3 4"; 1d when asked).
+#      DeepSpeed run 3 placeholders there) with dropout 0.1: placeholders draw no dropout masks on CUDA either;
+#   5. packs on a GPU, bf16: train.py padded against --packing (SDPA, its mask over each pack) and --packing
+#      --attn_implementation sdpa_varlen (torch's varlen kernel), max weight and loss differences, beside two
+#      identical padded runs; with flash-attn installed, flash_attention_2 packed too.
+# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5"; 1d when asked).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
@@ -24,8 +28,8 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
                 || echo examples/data/alpaca_sample.json )}
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4} "
-VARIANTS=${VARIANTS:-baseline,eager,compiled}
+SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5} "
+VARIANTS=${VARIANTS:-baseline,eager,compiled,packed,varlen}
 THROUGHPUT=($PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA"
             --num_examples "${NUM_EXAMPLES:-256}" --repeats 3)
 section() { echo; echo "=== $* ($(date +%T))"; }
@@ -117,5 +121,18 @@ if wants 4; then
         --output_dir "$OUT/fp32-$config" 2>&1 | tail -3 || echo "(failed)"
   done
   compare fp32 fp32-again fp32-fsdp fp32-zero2 fp32-zero3 fp32-zero3_offload || echo "(compare failed)"
+fi
+
+if wants 5; then
+  section "5. packs, bf16: padded vs --packing under sdpa, sdpa_varlen (and flash_attention_2 if installed)"
+  PACKED=(sdpa sdpa_varlen)
+  $PYTHON -c "import flash_attn" 2>/dev/null && PACKED+=(flash_attention_2)
+  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/padded" | tail -1 || echo "(failed)"
+  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/padded-again" | tail -1 || echo "(failed)"
+  for attention in "${PACKED[@]}"; do
+    timeout 40 $PYTHON train.py "${COMMON[@]}" --packing --attn_implementation "$attention" \
+        --output_dir "$OUT/packed-$attention" 2>&1 | tail -1 || echo "(failed)"
+  done
+  compare padded padded-again "${PACKED[@]/#/packed-}" || echo "(compare failed)"
 fi
 echo; echo "done ($(date +%T)); outputs in $OUT"

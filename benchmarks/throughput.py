@@ -13,6 +13,12 @@ own; adding one (a packed step, another attention backend) is one more entry:
             scripts default), length-grouped batches padded to --pad_to_multiple_of, no attention mask, the
             LM head only from the first label position, no host sync inside the forward
   compiled  eager with --torch_compile (each decoder layer's forward compiled)
+  packed    eager with --packing: each step's examples end to end in packs of up to batch x --model_max_length
+            tokens, no padding but each pack's tail (rounded to --pad_to_multiple_of); SDPA given the packs'
+            position ids, which on a GPU builds a mask over the whole pack (attention computed across examples,
+            then masked)
+  varlen    packed with --attn_implementation sdpa_varlen: each pack through torch's varlen flash kernel (CUDA)
+  flash     packed with --attn_implementation flash_attention_2 (the flash-attn package, CUDA); not by default
 
 How it times (docs/performance.md, Method): every variant trains on the same --num_examples examples (seeded),
 an epoch of them per timed window, repeated until a window holds at least --min_steps (30) steps. Before timing,
@@ -45,8 +51,11 @@ sys.path.insert(0, str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data" / "alpaca_en_demo.json"
 # Dense bf16 peak of common GPUs (no sparsity), FLOP/s, for MFU; override with --peak_flops.
 GPU_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-# Each variant's flags to its own process (a packed step would be "packed": ["--packing"]).
-VARIANTS = {"baseline": ["--baseline"], "eager": [], "compiled": ["--torch_compile"]}
+# Each variant's flags to its own process.
+VARIANTS = {"baseline": ["--baseline"], "eager": [], "compiled": ["--torch_compile"], "packed": ["--packing"],
+            "varlen": ["--packing", "--attn_implementation", "sdpa_varlen"],
+            "flash": ["--packing", "--attn_implementation", "flash_attention_2"]}
+DEFAULT_VARIANTS = {"cuda": ["baseline", "eager", "compiled", "packed", "varlen"], "cpu": ["baseline", "eager"]}
 MIN_TIMED_STEPS = 30
 
 
@@ -64,8 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch_sizes", default=None,
                         help="per-device batch sizes, comma-separated; default: 8,32,64 on CUDA, 8 on CPU")
     parser.add_argument("--variants", default=None,
-                        help=f"comma-separated, of {', '.join(VARIANTS)}; default: all on CUDA, baseline,eager on "
-                             "CPU (compiling 30 layers takes minutes there)")
+                        help=f"comma-separated, of {', '.join(VARIANTS)}; default: "
+                             f"{','.join(DEFAULT_VARIANTS['cuda'])} on CUDA, {','.join(DEFAULT_VARIANTS['cpu'])} on "
+                             "CPU (compiling 30 layers takes minutes there; varlen and flash run on CUDA only)")
     parser.add_argument("--model_shape", choices=["pretrained", *MODEL_SHAPES], default="pretrained",
                         help="pretrained: --model_name_or_path as is; otherwise that configuration with random "
                              "weights (built on the device) and --model_name_or_path's tokenizer")
@@ -82,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # a child's name
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--torch_compile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--attn_implementation", default="sdpa", help=argparse.SUPPRESS)
     parser.add_argument("--per_device_train_batch_size", type=int, help=argparse.SUPPRESS)  # the child's
     return parser.parse_args()
 
@@ -123,12 +135,16 @@ def reft_flops(model, reft_model, batch: dict, first_layer: int) -> float:
     and causal attention (2 x hidden x length^2 per sequence) forward, again for the gradient of its input in
     the layers from the first intervened one on (below it nothing needs a gradient); the LM head forward and
     backward at the positions predicting a label; each intervention 6 x its parameters per intervened position.
-    Real tokens only (no padding)."""
+    Real tokens only (no padding); a pack's examples each attend within themselves."""
     from alpaca.model import decoder_layers
 
     config = model.config.get_text_config(decoder=True)
     layers = decoder_layers(model)
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    if "cu_seq_lens_q" in batch:  # a pack: its examples' lengths, then its tail's if it has one
+        lengths = batch["cu_seq_lens_q"].diff().tolist()
+        lengths = lengths[:-1] if sum(lengths) > batch["num_tokens"] else lengths
+    else:
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
     flops = 0.0
     for index, layer in enumerate(layers):
         passes = 2 if index >= first_layer else 1
@@ -143,20 +159,11 @@ def run_variant(args: argparse.Namespace) -> dict:
     """One variant at one batch size, in this process: returns what it measured."""
     import numpy as np
     import torch
-    from torch.utils.data import DataLoader
 
     from alpaca.args import parse_layers, resolve_device_defaults
-    from alpaca.data import (
-        Collator,
-        GlobalBatchSampler,
-        StepCollator,
-        dataloader_worker_init,
-        global_batches,
-        load_records,
-        prepare_dataset,
-    )
+    from alpaca.data import Collator, global_batches, load_records, prepare_dataset, step_loader
     from alpaca.loss import summed_token_loss, token_weighted_loss
-    from alpaca.model import build_reft_model, compile_decoder_layers, intervention_parameters
+    from alpaca.model import build_reft_model, compile_decoder_layers, intervention_parameters, set_attention
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -168,6 +175,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     if args.num_examples:
         records = records.select(np.random.default_rng(0).permutation(len(records))[: args.num_examples])
     dataset = prepare_dataset(records, tokenizer, args.model_max_length)
+    set_attention(model, args.attn_implementation, device)
     torch.manual_seed(0)
     reft_model = build_reft_model(model, args.layers, (1, 1), False, args.rank)
     if args.torch_compile:
@@ -176,12 +184,13 @@ def run_variant(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(parameters, lr=1e-3)
     num_layers = len(reft_model.interventions) // 2
     batch_size, ours = args.per_device_train_batch_size, not args.baseline
-    if ours:  # as train.py builds it
-        sampler = GlobalBatchSampler(len(dataset), batch_size, seed=0, lengths=np.array(dataset["length"]))
+    if ours:  # as train.py builds it, from the flags it reads
         collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers, args.pad_to_multiple_of)
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=StepCollator(collate, batch_size),
-                            num_workers=args.dataloader_num_workers, pin_memory=device.type == "cuda",
-                            worker_init_fn=dataloader_worker_init)
+        loader = step_loader(dataset, collate, argparse.Namespace(
+            per_device_train_batch_size=batch_size, gradient_accumulation_steps=1, seed=0, group_by_length=True,
+            packing_max_tokens=batch_size * args.model_max_length if args.packing else None,
+            dataloader_num_workers=args.dataloader_num_workers), pin_memory=device.type == "cuda")
+        sampler = loader.batch_sampler
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     else:
         collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers)
@@ -348,7 +357,7 @@ def main() -> None:
 
     on_cuda = torch.cuda.is_available()
     batch_sizes = [int(size) for size in (args.batch_sizes or ("8,32,64" if on_cuda else "8")).split(",")]
-    variants = (args.variants or (",".join(VARIANTS) if on_cuda else "baseline,eager")).split(",")
+    variants = args.variants.split(",") if args.variants else DEFAULT_VARIANTS["cuda" if on_cuda else "cpu"]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "baseline" not in variants:
         sys.exit(f"--variants {args.variants}: {'unknown ' + unknown[0] if unknown else 'the baseline is missing'}; "

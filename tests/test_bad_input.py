@@ -72,6 +72,12 @@ CASES = [
      "add --packing"),
     ("pack budget below an example", ["--packing", "--packing_max_tokens", "256"], "--packing_max_tokens 256 is below "
      "--model_max_length 512"),
+    ("varlen attention without packs", ["--attn_implementation", "sdpa_varlen"], "--attn_implementation sdpa_varlen "
+     "only changes how packs attend; add --packing"),
+    ("varlen attention on a CPU", ["--attn_implementation", "sdpa_varlen", "--packing"], "runs torch's varlen "
+     "kernel, on CUDA only; use sdpa"),
+    ("flash attention on a CPU", ["--attn_implementation", "flash_attention_2"], "--attn_implementation "
+     "flash_attention_2: FlashAttention2 has been toggled on, but it cannot be used"),
     ("unknown flag", ["--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat"),
     ("eval without eval data", ["--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
     ("eval split ratio out of range", ["--eval_split_ratio", "1.5"], "--eval_split_ratio must be in (0, 1)"),

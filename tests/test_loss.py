@@ -12,9 +12,9 @@ from alpaca.model import build_reft_model, intervention_parameters, load_base_mo
 POSITION = (2, 2)
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model, tiny_data):
+def reft_setup(tiny_model, tiny_data, attention: str = "sdpa"):
     model, tokenizer = load_base_model(str(tiny_model), torch.float64, torch.device("cpu"))
+    model.set_attn_implementation(attention)
     dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
     torch.manual_seed(0)
     reft_model = build_reft_model(model, "1;2", POSITION, False, rank=4)
@@ -25,6 +25,11 @@ def setup(tiny_model, tiny_data):
         torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
     collate = Collator(tokenizer.pad_token_id, POSITION, False, num_layers=2)
     return reft_model, dataset, collate
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tiny_data):
+    return reft_setup(tiny_model, tiny_data)
 
 
 def gradients(reft_model, micro_batches, scale):
@@ -217,7 +222,55 @@ def test_a_pack_is_the_padded_batch(setup, attention):
     """--packing: examples end to end in one row, positions restarting at each, give every example's loss and
     the gradients of the padded batch (float64, to summation order), with transformers' SDPA and eager
     attention; also with a prompt too short for its windows (padded windows) and the tail rounded up."""
-    reft_model, dataset, collate = setup
+    reft_model = setup[0]
+    implementation = reft_model.model.config._attn_implementation
+    reft_model.model.set_attn_implementation(attention)
+    try:
+        assert_pack_is_the_padded_batch(*setup)
+    finally:
+        reft_model.model.set_attn_implementation(implementation)
+
+
+def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, monkeypatch):
+    """--attn_implementation sdpa_varlen: a pack's attention goes through torch's varlen kernel with the pack's
+    boundaries, query, key and value laid out as it takes them (tokens x heads x head dim, the tiny model's 2
+    key-value heads for 4 query heads), and gives the padded batch's losses and gradients, with no mask built
+    and no packed-sequence check (its host sync). The kernel runs on CUDA only: here each example's causal SDPA
+    stands in for it, so what is tested is everything around it."""
+    import torch.nn.functional as F
+    import transformers.masking_utils
+    from torch.nn.attention import varlen
+    from transformers import AttentionInterface
+
+    from alpaca.args import VARLEN_ATTENTION
+    from alpaca.workarounds import varlen_attention
+
+    calls = []
+
+    def each_example_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
+        bounds = cu_seq_q.tolist()
+        assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+        assert window_size == (-1, 0) and enable_gqa and query.shape[1] == 2 * key.shape[1]
+        calls.append(len(bounds) - 1)
+        return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (query, key, value)),
+                                                         is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+                          for a, b in zip(bounds, bounds[1:])])
+
+    checks = []
+    monkeypatch.setattr(varlen, "varlen_attn", each_example_causal)
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", checks.append)
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    reft_model, dataset, collate = reft_setup(tiny_model, tiny_data, VARLEN_ATTENTION)
+    pack = Collator(collate.pad_token_id, POSITION, False, num_layers=2).pack([dataset[i] for i in range(3)])
+    with torch.no_grad():
+        token_losses(reft_model, pack, torch.device("cpu"))
+    assert calls == [3] * 4 and checks == []  # 4 layers, 3 examples each; sdpa would have checked once
+    calls.clear()
+    assert_pack_is_the_padded_batch(reft_model, dataset, collate)
+    assert calls and set(calls) == {6}  # 5 examples and the rounded tail, in each layer of each forward
+
+
+def assert_pack_is_the_padded_batch(reft_model, dataset, collate) -> None:
     examples = [dict(dataset[i]) for i in range(5)]
     examples[2]["prompt_length"] = 3  # windows f2+l2 do not fit
     rounded = Collator(collate.pad_token_id, POSITION, False, num_layers=2, pad_to_multiple_of=16)
@@ -225,18 +278,12 @@ def test_a_pack_is_the_padded_batch(setup, attention):
     assert pack["input_ids"].shape == (1, -(-sum(len(e["input_ids"]) for e in examples) // 16) * 16)
     for key in ("num_label_tokens", "num_intervened_positions", "num_tokens"):
         assert pack[key] == padded[key], key
-    model = reft_model.model
-    implementation = model.config._attn_implementation
-    model.set_attn_implementation(attention)
-    try:
-        scale = lambda loss, batch: loss  # noqa: E731
-        for expected, actual in zip(gradients(reft_model, [padded], scale), gradients(reft_model, [pack], scale)):
-            torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
-        with torch.no_grad():
-            padded_losses = token_losses(reft_model, padded, torch.device("cpu")).sum(dim=1)
-            pack_losses = token_losses(reft_model, pack, torch.device("cpu"))[0]
-    finally:
-        model.set_attn_implementation(implementation)
+    scale = lambda loss, batch: loss  # noqa: E731
+    for expected, actual in zip(gradients(reft_model, [padded], scale), gradients(reft_model, [pack], scale)):
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        padded_losses = token_losses(reft_model, padded, torch.device("cpu")).sum(dim=1)
+        pack_losses = token_losses(reft_model, pack, torch.device("cpu"))[0]
     # Each example's losses sit in the pack from its start on (the pack's kept logits start at its first label).
     starts = torch.tensor([0] + [len(e["input_ids"]) for e in examples]).cumsum(0) - pack["first_label_position"]
     per_example = torch.stack([pack_losses[max(start, 0) : max(end, 0)].sum() for start, end in
