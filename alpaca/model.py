@@ -309,11 +309,18 @@ def enable_gradient_checkpointing(model) -> None:
     Unlike HF's `gradient_checkpointing_enable`, it does not need the frozen base in train mode, where
     the base's dropout would switch on. pyvene's interventions act on the layers' outputs, outside the
     recomputed region (--component block_output, the only one args.validate lets through): the gradients are
-    identical with and without it."""
+    identical with and without it.
+
+    A layer a device map offloads is recomputed to its end: torch stops a recomputation once it has what the
+    backward needs, before accelerate's post-forward hooks of its last modules, which then keep their weights in
+    memory (down_proj's, measured on a Llama) until the next forward. Layers held in place keep torch's early stop,
+    which spares the recomputation's last operations."""
     from torch.distributed._composable import checkpoint
 
+    from alpaca.device_map import offloaded
+
     for layer in decoder_layers(model):
-        checkpoint(layer)
+        checkpoint(layer, early_stop=not offloaded(layer))
 
 
 def compile_decoder_layers(model) -> None:
