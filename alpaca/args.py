@@ -179,7 +179,7 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-class _Parser(argparse.ArgumentParser):
+class UsageParser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line instead of argparse's usage block: the flag and the problem, then where to look."""
         if not is_main_process():
@@ -187,8 +187,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def add_device_map_flags(group, note: str = "") -> None:
+    """--device_map, --max_memory and --offload_folder (transformers' meanings), for training and generation."""
+    group.add_argument("--device_map", type=parse_device_map, default=None,
+                       help="spread the base over this process's GPUs, the CPU and disk, as transformers does: "
+                            f"{', '.join(DEVICE_MAP_STRATEGIES)}, or JSON of module name -> GPU index, 'cpu' or "
+                            f"'disk' (docs/big-models.md){note}")
+    group.add_argument("--max_memory", type=parse_max_memory, default=None,
+                       help="with --device_map auto/balanced/sequential: JSON of device -> memory it may hold, e.g. "
+                            "'{\"0\": \"20GiB\", \"cpu\": \"64GiB\"}' (GPU indices count within the process's "
+                            "group)")
+    group.add_argument("--offload_folder", default=None,
+                       help="with --device_map: where modules placed on 'disk' are stored")
+
+
 def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = UsageParser(
         prog=prog,
         description="Train LoReFT interventions on Alpaca-format instruction data"
         + (" on N processes (torchrun)." if multigpu else " on one device."),
@@ -206,14 +220,7 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="base model dtype; auto = bfloat16 on CUDA, float32 on CPU")
     flag("--bf16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype bfloat16")
     flag("--fp16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype float16")
-    flag("--device_map", type=parse_device_map, default=None,
-         help="spread the base over this process's GPUs, the CPU and disk, as transformers does: "
-              f"{', '.join(DEVICE_MAP_STRATEGIES)}, or JSON of module name -> GPU index, 'cpu' or 'disk' "
-              "(docs/big-models.md); under torchrun each process places it on its own group of the node's GPUs")
-    flag("--max_memory", type=parse_max_memory, default=None,
-         help="with --device_map auto/balanced/sequential: JSON of device -> memory it may hold, e.g. "
-              "'{\"0\": \"20GiB\", \"cpu\": \"64GiB\"}' (GPU indices count within the process's group)")
-    flag("--offload_folder", default=None, help="with --device_map: where modules placed on 'disk' are stored")
+    add_device_map_flags(group, "; under torchrun each process places it on its own group of the node's GPUs")
 
     group = parser.add_argument_group("data")
     flag = group.add_argument

@@ -35,7 +35,7 @@ from alpaca.args import parse_layers, parse_position
 from alpaca.data import records_fingerprint
 from alpaca.errors import StorageError, UsageError
 from alpaca.manifest import MANIFEST, files_problem, read_manifest, write_manifest
-from alpaca.model import model_fingerprint
+from alpaca.model import earlier_config_hashes, model_fingerprint
 from alpaca.optim import StepPlan
 from alpaca.output import ARGS_FILE, plot_loss, save_interventions
 
@@ -336,8 +336,10 @@ def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespac
     if saved["data"] != current["data"]:
         changes.append(f"the training data (the records of --data_path {args.data_path!r} as trained on, after "
                        "--field_map, --max_n_train_example and any held-out split)")
+    same_model = {part: {current["model"][part]} for part in ("config", "tokenizer", "weights")}
+    same_model["config"] |= earlier_config_hashes(args.model_name_or_path, args.cache_dir)
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
-                for part in ("config", "tokenizer", "weights") if saved["model"][part] != current["model"][part]]
+                for part, hashes in same_model.items() if saved["model"][part] not in hashes]
     changes += [f"--{name} ({saved['flags'][name]} in the checkpoint, {value} in this run)"
                 for name, value in current["flags"].items() if saved["flags"].get(name, value) != value]
     if changes:

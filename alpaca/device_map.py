@@ -128,6 +128,14 @@ def execution_device(model, name: str) -> torch.device:
     return next(model.get_submodule(name).parameters()).device
 
 
+def offloaded(module) -> bool:
+    """Whether accelerate brings the module's weights in for each forward and drops them after (a map put it on
+    disk, or on the CPU of a process with GPUs): an AlignDevicesHook with `offload` on it or a submodule."""
+    hooks = [submodule._hf_hook for submodule in module.modules() if hasattr(submodule, "_hf_hook")]
+    return any(getattr(single, "offload", False) for hook in hooks
+               for single in getattr(hook, "hooks", [hook]))  # a SequentialHook holds several
+
+
 def input_device(model) -> torch.device:
     """Where a batch enters the base model: where its input embeddings run."""
     embeddings = model.get_input_embeddings()

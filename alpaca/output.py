@@ -86,14 +86,19 @@ def load_reft_model(directory: str | os.PathLike, base_model):
         for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
     ]
     register_layout(base_model)
-    reft_model = pyreft.get_reft_model(base_model, pyreft.ReftConfig(representations=representations))
+    # A base spread by a device map is not moved (accelerate refuses to): its interventions stay on the CPU until
+    # alpaca.device_map.DeviceMap.place puts each on its layer's device.
+    device_mapped = hasattr(base_model, "hf_device_map")
+    reft_model = pyreft.get_reft_model(base_model, pyreft.ReftConfig(representations=representations),
+                                       set_device=not device_mapped)
     keep_foreign_hooks(reft_model)
     compute_in_float32(reft_model)
     for key, intervention in reft_model.interventions.items():
         if f"intkey_{key}.bin" not in states:
             raise UsageError(f"{directory} lacks intkey_{key}.bin; pass a complete output_dir")
         intervention.load_state_dict(states[f"intkey_{key}.bin"])
-    reft_model.set_device(base_model.device, set_model=False)
+    if not device_mapped:
+        reft_model.set_device(base_model.device, set_model=False)
     set_train_mode(reft_model, False)
     return reft_model
 

@@ -83,20 +83,6 @@ def one_copy_bytes(model_dir: Path, dtype_bytes: int = 4) -> int:
     return numel * dtype_bytes
 
 
-def without_gguf_config(model_dir: Path, directory: Path) -> Path:
-    """The converted default model, its weights linked, its config.json without the GGUF `quantization_config`
-    the conversion keeps (its weights are plain float32): with it transformers refuses any JSON device map with
-    'disk' ("Disk offload is not supported for models loaded from GGUF files")."""
-    directory.mkdir()
-    for file in model_dir.iterdir():
-        (directory / file.name).symlink_to(file)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (directory / "config.json").unlink()
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 def early_layers_on_disk(model_dir: Path, first_intervened: int) -> str:
     """A JSON --device_map of a Llama-layout model: the decoder layers before `first_intervened` on disk (no
     gradient flows through them: their weights are dropped after their forward), the rest on the CPU."""
@@ -182,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memory-model-") as scratch:
         models = {}
         if "smollm2" in args.models:
-            models["SmolLM2-135M"] = (without_gguf_config(embedded_model_dir(), Path(scratch) / "smollm2"), "8;19")
+            models["SmolLM2-135M"] = (embedded_model_dir(), "8;19")
         if "random" in args.models:
             print("Building the random model ...", flush=True)
             models["random 0.49B (bf16 file)"] = (build_random_model(Path(scratch) / "random"), "4;8")

@@ -4,9 +4,12 @@
     python examples/generate.py --reft_dir out --instruction "Name three primary colors." --max_new_tokens 64
     python examples/generate.py --reft_dir single_gpu_run --compare multi_gpu_run --instructions_file prompts.txt
     python examples/generate.py --reft_dir chat_run --conversations_file chats.jsonl   # --prompt_template chat runs
+    python examples/generate.py --reft_dir big_run --device_map auto --offload_folder offload   # a base > one GPU
 
 The base model (unless given), the intervention positions and the prompt template come from the run's
 training_args.json. Greedy decoding; the interventions act on the prompt's positions, as in training.
+--device_map, --max_memory and --offload_folder place the base as in training (over every visible GPU, the CPU
+and disk; docs/big-models.md), each intervention on its layer's device; the answers are those of one device.
 """
 
 import argparse
@@ -16,14 +19,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 
-from alpaca.args import exit_on_usage_error, parse_position  # noqa: E402
+from alpaca.args import (  # noqa: E402
+    UsageParser,
+    add_device_map_flags,
+    exit_on_usage_error,
+    parse_position,
+    validate_device_map,
+)
 from alpaca.errors import UsageError  # noqa: E402
 
 PROG = "generate.py"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = UsageParser(prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--reft_dir", required=True, help="a training output_dir (or a checkpoint-<step> in it)")
     parser.add_argument("--compare", default=None, help="a second output_dir: its answers replace the base's")
     parser.add_argument("--model_name_or_path", default=None, help="default: the one the run trained on")
@@ -34,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "records of 'messages', each ending with the user's turn")
     parser.add_argument("--max_new_tokens", type=int, default=96)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_device_map_flags(parser.add_argument_group("placement, for a base one device cannot hold (as in training)"))
     return parser.parse_args(argv)
 
 
@@ -58,6 +68,7 @@ def read_conversations(path: str) -> list[list[dict]]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
+        validate_device_map(args)
         generate(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
@@ -66,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
 def generate(args: argparse.Namespace) -> None:
     import torch
 
+    from alpaca.device_map import DeviceMap
     from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, side_by_side
     from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
     from alpaca.output import load_reft_model
@@ -79,11 +91,19 @@ def generate(args: argparse.Namespace) -> None:
         instructions += read_conversations(args.conversations_file)
     instructions = instructions or SAMPLE_INSTRUCTIONS
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    # A device map spreads the base over every visible GPU (and the CPU, disk), as train.py's does.
+    gpus = list(range(torch.cuda.device_count()))
+    device_map = (None if args.device_map is None
+                  else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
     model, tokenizer = load_base_model(args.model_name_or_path or settings[0]["model_name_or_path"],
-                                       resolve_dtype(args.dtype, device), device)
+                                       resolve_dtype(args.dtype, device), device, device_map=device_map)
+    if device_map is not None:
+        print(f"Base model on --device_map ({device_map.describe(model)})")
     answers = []
     for run, run_args in zip(runs, settings):
         reft_model = load_reft_model(run, model)
+        if device_map is not None:
+            device_map.place(reft_model)
         position = parse_position(run_args["position"])
         num_layers = num_intervened_layers(reft_model, position, run_args["share_weights"])
         # Runs from before --prompt_template trained on the Alpaca prompt.

@@ -1,16 +1,20 @@
 """Caches are checked when read: a damaged tokenized dataset or converted default model is built again, with a
 one-line notice, never a traceback; concurrent first runs on one cache share it."""
 
+import json
 import multiprocessing
 
 import torch
-from conftest import build_tiny_model, run_in_process, write_records
+from conftest import assert_same_run, build_tiny_model, copy_as_killed, disk_map, run_in_process, write_records
 
 import alpaca.data
 import alpaca.model
 from alpaca.data import load_records, prepare_dataset, tokenize
-from alpaca.manifest import MANIFEST, directory_problem
+from alpaca.manifest import MANIFEST, directory_problem, write_manifest
 from alpaca.model import embedded_model_dir, load_base_model
+
+# What transformers' GGUF loader puts in the default model's config, and conversions before version 2 kept.
+GGUF_KEY = {"dequantize": False, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "quant_method": "gguf"}
 
 
 def run_flags(data, output_dir, cache_dir, *extra) -> list:
@@ -105,3 +109,54 @@ def test_a_damaged_converted_default_model_is_converted_again(tiny_data, tmp_pat
             "cut short); building it again") in stderr.splitlines()
     assert len(conversions) == 2 and directory_problem(converted) is None and "Traceback" not in stderr
     assert not [path for path in converted.parent.iterdir() if path.name.startswith(".")]  # no staging left
+
+
+def test_a_default_model_converted_by_an_earlier_version_is_converted_again_and_its_checkpoints_resume(
+        tiny_data, tmp_path, monkeypatch):
+    """Conversions before CONVERSION_VERSION 2 kept GGUF's quantization_config in config.json, with which transformers
+    refuses a device map with 'disk' for the default model. A run on such a directory leaves checkpoint-2; the next
+    run with the default model says in one line that the directory is from an earlier version, converts it again
+    (once: without the key, the weights the same) and resumes that checkpoint, with layers on disk, to the
+    uninterrupted run's weights and log exactly. The conversion is the real one (alpaca.model.convert_embedded_model)
+    but for its two GGUF reads, which load a tiny model as transformers' GGUF loader returns it (the key in its
+    config)."""
+    import transformers
+
+    gguf_like = build_tiny_model(tmp_path / "gguf")
+    config = json.loads((gguf_like / "config.json").read_text())
+    (gguf_like / "config.json").write_text(json.dumps({**config, "quantization_config": GGUF_KEY}))
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        def from_pretrained(path, *args, original=auto.from_pretrained, **kwargs):
+            return original(gguf_like if kwargs.pop("gguf_file", None) else path, *args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", from_pretrained)
+    converted = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    converted.mkdir(parents=True)
+    alpaca.model.convert_embedded_model(converted)  # then as version 1 left it: the key kept, no version recorded
+    (converted / "config.json").write_text(json.dumps({**json.loads((converted / "config.json").read_text()),
+                                                       "quantization_config": GGUF_KEY}))
+    write_manifest(converted)
+    assert directory_problem(converted) is None
+    weights = (converted / "model.safetensors").read_bytes()
+
+    args = ["--data_path", tiny_data, "--cache_dir", tmp_path / "cache", "--layers", "1;2", "--max_steps", "4",
+            "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size",
+            "2", "--num_sample_answers", "0"]
+    with monkeypatch.context() as earlier:  # the earlier version's run: the directory used as it is
+        earlier.setattr(alpaca.model, "embedded_model_dir", lambda cache_dir=None: converted)
+        status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "old"])
+    assert status == 0, stderr[-3000:]
+    resumed = copy_as_killed(tmp_path / "old", tmp_path / "resumed", last_checkpoint=2)
+    disk = ["--device_map", disk_map(), "--offload_folder", tmp_path / "offload"]
+    status, stdout, stderr = run_in_process("train.py", [*args, "--output_dir", resumed, *disk,
+                                                         "--resume_from_checkpoint", "auto"])
+    assert status == 0, stderr[-3000:]
+    assert (f"warning: the converted default model in {converted} is from version 1 of its builder, not 2; building "
+            "it again") in stderr.splitlines()
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    assert (converted / "model.safetensors").read_bytes() == weights and directory_problem(converted) is None
+    assert "disk: 2 modules" in stdout
+    assert_same_run(resumed, tmp_path / "old", exact=True)
+    status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "again", *disk])
+    assert status == 0 and "building it again" not in stderr, stderr[-3000:]  # converted once
+

@@ -1,7 +1,8 @@
 """--device_map: with one device type a device map changes no arithmetic. On CPU, decoder layers offloaded to disk
 (layer 2 intervened, layer 0 not) train bit-identically the plain run's weights, losses and grad norms, on one
 process and on two DDP ranks (that one in tests/test_recipes.py, through examples/launch/device_map.sh); their
-weights really are off memory (on the meta device) between forwards."""
+weights really are off memory (on the meta device) between forwards; and so with --gradient_checkpointing, whose
+recomputation of an offloaded layer brings its weights from disk again."""
 
 import sys
 
@@ -25,7 +26,8 @@ from alpaca.strategy import choose_strategy
 
 def test_layers_on_disk_train_the_plain_run_exactly_and_resume_exactly(reference, tiny_model, tiny_data, tmp_path):
     """Against the reference's one-process run (dropout, checkpoints, evaluation): the same run bit for bit, and
-    so is its resume from checkpoint-4 with the layers on disk again."""
+    so is its resume from checkpoint-4 with the layers on disk again, there with --gradient_checkpointing too
+    (steps 5-9: layer 2, on disk, recomputed in each backward; checkpointing changes no arithmetic either)."""
     placed = ["--device_map", disk_map(), "--offload_folder", str(tmp_path / "offload")]
     status, stdout, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path / "map", *SINGLE,
                                                                *placed))
@@ -34,7 +36,8 @@ def test_layers_on_disk_train_the_plain_run_exactly_and_resume_exactly(reference
     assert_same_run(tmp_path / "map", reference / "single", exact=True)
     resumed = copy_as_killed(tmp_path / "map", tmp_path / "resumed", last_checkpoint=4)
     status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, resumed, *SINGLE, *placed,
-                                                         "--resume_from_checkpoint", "auto"))
+                                                         "--gradient_checkpointing", "--resume_from_checkpoint",
+                                                         "auto"))
     assert status == 0, stderr[-3000:]
     assert_same_run(resumed, reference / "single", exact=True)
 
@@ -42,7 +45,9 @@ def test_layers_on_disk_train_the_plain_run_exactly_and_resume_exactly(reference
 def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tiny_data, tmp_path):
     """Loaded as train.py loads it: the offloaded layers' parameters are on the meta device (no memory) before a
     forward, after it and after the backward, the others in CPU memory; yet the loss and the interventions'
-    gradients are the plain model's: the weights came from disk for the forward."""
+    gradients are the plain model's: the weights came from disk for the forward. With --gradient_checkpointing
+    too: the layers backward goes through (2 and 3, above the lowest intervention) run again in the backward,
+    layer 2's weights brought from disk again by accelerate's hook, and the gradients are still the plain ones."""
     import train
 
     def loss_and_gradients(*placement: str):
@@ -53,6 +58,9 @@ def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tin
         _, reft_model, dataset, _, _, collate, _ = train.load_data_and_model(args, strategy, torch.float32, (2, 2))
         train_model = strategy.wrap(reft_model, None, None, None)
         layers = decoder_layers(reft_model.model)
+        forwards = []
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda module, args, index=index: forwards.append(index))
 
         def devices() -> list[set[str]]:
             return [{parameter.device.type for parameter in layer.parameters()} for layer in layers]
@@ -63,14 +71,17 @@ def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tin
         after_forward = devices()
         loss.backward()
         assert before == after_forward == devices()
-        return loss, [parameter.grad for _, parameter in intervention_parameters(reft_model)], before
+        return loss, [parameter.grad for _, parameter in intervention_parameters(reft_model)], before, sorted(forwards)
 
-    plain_loss, plain_gradients, plain_devices = loss_and_gradients()
-    loss, gradients, placed = loss_and_gradients("--device_map", disk_map(), "--offload_folder", str(tmp_path))
-    assert plain_devices == [{"cpu"}] * 4
-    assert placed == [{"meta"} if index in OFFLOADED else {"cpu"} for index in range(4)]
-    assert torch.equal(loss, plain_loss)
-    assert all(torch.equal(a, b) for a, b in zip(gradients, plain_gradients, strict=True)) and gradients
+    plain_loss, plain_gradients, plain_devices, plain_forwards = loss_and_gradients()
+    assert plain_devices == [{"cpu"}] * 4 and plain_forwards == [0, 1, 2, 3]
+    on_disk = ["--device_map", disk_map(), "--offload_folder", str(tmp_path)]
+    for checkpointing, forwards_expected in (([], [0, 1, 2, 3]), (["--gradient_checkpointing"], [0, 1, 2, 2, 3, 3])):
+        loss, gradients, placed, forwards = loss_and_gradients(*on_disk, *checkpointing)
+        assert placed == [{"meta"} if index in OFFLOADED else {"cpu"} for index in range(4)]
+        assert forwards == forwards_expected, checkpointing
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(a, b) for a, b in zip(gradients, plain_gradients, strict=True)) and gradients
 
 
 def test_device_map_with_fsdp_or_deepspeed_is_refused(tmp_path):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, run_in_process, run_script
+from conftest import REPO, disk_map, run_in_process, run_script
 
 from alpaca.data import render_prompt
 from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
@@ -73,6 +73,42 @@ def test_generate_compares_two_runs(runs, untrained, tiny_tied_model):
     assert left == answers(root / "single", tiny_tied_model)[1][1]
     assert right == answers(untrained, tiny_tied_model)[1][1]
     assert left != right
+
+
+def test_generate_with_layers_on_disk_answers_the_one_device_tokens(runs, tiny_tied_model, tmp_path, monkeypatch):
+    """--device_map with decoder layers 0 and 2 on disk (2 intervened, 0 not): the base's and the ReFT model's
+    answers are the plain run's token for token (decode is made to print the token ids), and the layers were on
+    disk (the placement line), so the test cannot pass by ignoring the map."""
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "decode", lambda self, ids, **kwargs: str(ids.tolist()))
+    root, _ = runs
+    ask = ["--reft_dir", root / "single", *(item for i in INSTRUCTIONS for item in ("--instruction", i)),
+           "--max_new_tokens", "8"]
+    status, plain, stderr = run_in_process(GENERATE, ask)
+    assert status == 0, stderr[-3000:]
+    status, mapped, stderr = run_in_process(GENERATE, [*ask, "--device_map", disk_map(), "--offload_folder",
+                                                       tmp_path / "offload"])
+    assert status == 0, stderr[-3000:]
+    placement, *table = mapped.splitlines()
+    assert placement == "Base model on --device_map (cpu: 6 modules, disk: 2 modules)"
+    assert table == plain.splitlines() and plain.count("Instruction: ") == 2
+
+
+@pytest.mark.parametrize(("placement", "message"), [
+    (["--device_map", '{"model.embed": "cpu", "": "cpu"}'], "--device_map names 'model.embed', which is not a module"),
+    (["--device_map", '{"": 0}'], "--device_map: GPU 0 is not there: this process has no GPU"),
+    (["--device_map", "{model: cpu}"], "--device_map '{model: cpu}' is neither one of auto, balanced"),
+    (["--device_map", '{"": "disk"}'], "--device_map puts modules on 'disk': add --offload_folder DIR"),
+])
+def test_generate_refuses_a_bad_device_map_in_one_line(runs, placement, message):
+    """The checks of training (tests/test_bad_input.py has them all): one line, exit 2, no traceback."""
+    root, _ = runs
+    status, _, stderr = run_in_process(GENERATE, ["--reft_dir", root / "single", *placement])
+    assert status == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("generate.py: error: ") and message in errors[0], stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == errors[0] and "Traceback" not in stderr
 
 
 def test_generate_needs_a_training_output(tmp_path):
