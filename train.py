@@ -73,7 +73,7 @@ def run(args, device, gpus: list[int], started: float) -> None:
     from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
-    from alpaca.model import describe, resolve_dtype
+    from alpaca.model import check_attention, describe, resolve_dtype
     from alpaca.optim import StepPlan, build_optimizer
     from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
     from alpaca.strategy import choose_strategy
@@ -82,6 +82,7 @@ def run(args, device, gpus: list[int], started: float) -> None:
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
     dtype = resolve_dtype(args.dtype, device)
+    check_attention(args.attn_implementation, device, dtype)
     strategy = choose_strategy(args, device, dtype, gpus, distributed=False)  # on the device, or a --device_map
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
@@ -204,7 +205,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
                              else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir,
                                                   args.prompt_template)
                              for split in (records, eval_records)]
-    set_attention(model, args.attn_implementation, strategy.device)
+    set_attention(model, args.attn_implementation)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if args.torch_compile:

@@ -103,7 +103,7 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
     from alpaca.distributed import main_rank_result, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate
-    from alpaca.model import describe, resolve_dtype
+    from alpaca.model import check_attention, describe, resolve_dtype
     from alpaca.optim import StepPlan, build_optimizer
     from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
     from alpaca.strategy import choose_strategy, local_parameter_bytes
@@ -116,6 +116,7 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
     resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
     dtype = resolve_dtype(args.dtype, device)
+    check_attention(args.attn_implementation, device, dtype)
     strategy = choose_strategy(args, device, dtype, gpus)  # DDP (--device_map), --fsdp or --deepspeed: asked once
     resume_from = main_rank_result(lambda: prepare_output_dir(args), is_main, device)  # before anything loads
 
@@ -304,7 +305,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     if len(dataset) < world_size:
         raise UsageError(f"{len(dataset)} training examples for {world_size} processes: every process needs "
                          "at least one; use fewer processes or more data")
-    set_attention(model, args.attn_implementation, strategy.device)
+    set_attention(model, args.attn_implementation)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if args.torch_compile:

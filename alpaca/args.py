@@ -195,8 +195,8 @@ def add_device_map_flags(group, note: str = "") -> None:
                             f"'disk' (docs/big-models.md){note}")
     group.add_argument("--max_memory", type=parse_max_memory, default=None,
                        help="with --device_map auto/balanced/sequential: JSON of device -> memory it may hold, e.g. "
-                            "'{\"0\": \"20GiB\", \"cpu\": \"64GiB\"}' (GPU indices count within the process's "
-                            "group)")
+                            "'{\"0\": \"20GiB\", \"cpu\": \"64GiB\"}'" + (note and " (GPU indices count within "
+                                                                                "the process's group)"))
     group.add_argument("--offload_folder", default=None,
                        help="with --device_map: where modules placed on 'disk' are stored")
 
@@ -268,10 +268,11 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
          help="where in each layer the interventions act: " + "; ".join(f"{k}: {v}" for k, v in COMPONENTS.items()))
     flag("--gradient_checkpointing", type=str2bool, nargs="?", const=True, default=False,
          help="recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)")
-    flag("--attn_implementation", default="sdpa", choices=ATTENTION_IMPLEMENTATIONS,
-         help="transformers' attention implementation (its names; flash_attention_2/3 need the flash-attn package "
-              f"and a GPU); {VARLEN_ATTENTION}: sdpa, with each pack of --packing through torch's varlen flash kernel "
-              "(CUDA, bf16/fp16), examples apart without a mask over the pack (docs/performance.md)")
+    flag("--attn_implementation", default=None, choices=ATTENTION_IMPLEMENTATIONS,
+         help="transformers' attention implementation, by its names (default: its choice, sdpa where the model has "
+              "it, else eager; flash_attention_2/3 need the flash-attn package, a GPU and bf16/fp16); "
+              f"{VARLEN_ATTENTION}: sdpa, with each pack of --packing through torch's varlen flash kernel (CUDA, "
+              "bf16/fp16), examples apart without a mask over the pack (docs/performance.md)")
     flag("--torch_compile", type=str2bool, nargs="?", const=True, default=False,
          help="compile each decoder layer's forward with torch.compile (below pyvene's hooks); off by default: no "
               "GPU measurement shows a gain yet (docs/performance.md)")

@@ -337,7 +337,8 @@ def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespac
         changes.append(f"the training data (the records of --data_path {args.data_path!r} as trained on, after "
                        "--field_map, --max_n_train_example and any held-out split)")
     same_model = {part: {current["model"][part]} for part in ("config", "tokenizer", "weights")}
-    same_model["config"] |= earlier_config_hashes(args.model_name_or_path, args.cache_dir)
+    if saved["model"]["config"] != current["model"]["config"]:
+        same_model["config"] |= earlier_config_hashes(args.model_name_or_path, args.cache_dir)
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
                 for part, hashes in same_model.items() if saved["model"][part] not in hashes]
     changes += [f"--{name} ({saved['flags'][name]} in the checkpoint, {value} in this run)"

@@ -324,28 +324,55 @@ def enable_gradient_checkpointing(model) -> None:
         checkpoint(layer, early_stop=not offloaded(layer))
 
 
-def set_attention(model, implementation: str, device: torch.device) -> None:
-    """--attn_implementation. transformers checks what it needs (flash attention's package and device) and its
-    refusal becomes one line; checked here: the dtype of the flash kernels (transformers only warns, the kernel
-    fails at the first forward) and what sdpa_varlen needs (CUDA, no sliding-window layer: `varlen_attention`)."""
+FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", VARLEN_ATTENTION)
+
+
+def check_attention(implementation: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """What --attn_implementation's flash kernels need of the machine, checked before any weight is read: the
+    flash-attn package (transformers' own test) or torch's flash kernel on this GPU (sdpa_varlen), and bfloat16 or
+    float16, which transformers only warns about (the kernel would fail at the first forward)."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    if implementation not in FLASH_KERNELS:
+        return
+    if implementation == VARLEN_ATTENTION:
+        if not (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
+                and torch.cuda.get_device_capability(device) >= (8, 0)):
+            raise UsageError(f"--attn_implementation {implementation} runs torch's varlen flash kernel, on CUDA GPUs "
+                             "of compute capability 8.0 or more only; use sdpa")
+    elif not {"flash_attention_2": is_flash_attn_2_available, "flash_attention_3": is_flash_attn_3_available}[
+            implementation]():
+        raise UsageError(f"--attn_implementation {implementation} needs the flash-attn package "
+                         f"({'its hopper build, ' if implementation.endswith('3') else ''}on a GPU it supports), "
+                         "which is not installed here; install it, or use sdpa")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise UsageError(f"--attn_implementation {implementation} runs in bfloat16 or float16, not "
+                         f"{str(dtype).removeprefix('torch.')}; add --dtype bfloat16, or use sdpa")
+
+
+def set_attention(model, implementation: str | None) -> None:
+    """--attn_implementation (None: transformers' choice, sdpa where the model has it, else eager), before
+    `build_reft_model`, whose per-forward attention choice reads it (alpaca.workarounds). transformers checks that
+    the model supports it, its refusal one line; sdpa_varlen also needs no sliding-window layer (varlen_attention
+    runs full causal attention)."""
     from transformers import AttentionInterface
 
+    if implementation is None:
+        return
     if implementation == VARLEN_ATTENTION:
-        if device.type != "cuda":
-            raise UsageError(f"--attn_implementation {implementation} runs torch's varlen kernel, on CUDA only; use "
-                             "sdpa")
-        if any(getattr(module, "sliding_window", None) for module in model.modules()):
+        config = model.config.get_text_config(decoder=True)
+        layer_types = getattr(config, "layer_types", None) or []
+        if (any("sliding" in layer_type for layer_type in layer_types)
+                or (not layer_types and getattr(config, "sliding_window", None)
+                    and getattr(config, "use_sliding_window", True))):
             raise UsageError(f"--attn_implementation {implementation}: the model has sliding-window attention, which "
                              "it does not implement; use sdpa or flash_attention_2")
         AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
     try:
         model.set_attn_implementation(implementation)
     except (ValueError, ImportError) as error:
-        raise UsageError(f"--attn_implementation {implementation}: {str(error).splitlines()[0]} Or use sdpa.") from None
-    flash = implementation.startswith("flash_attention") or implementation == VARLEN_ATTENTION
-    if flash and model.dtype not in (torch.bfloat16, torch.float16):
-        raise UsageError(f"--attn_implementation {implementation} runs in bfloat16 or float16, not "
-                         f"{str(model.dtype).removeprefix('torch.')}; add --dtype bfloat16, or use sdpa")
+        raise UsageError(f"--attn_implementation {implementation}: {str(error).splitlines()[0]} Use another "
+                         "(eager runs on every model), or leave the flag out for transformers' choice") from None
 
 
 def compile_decoder_layers(model) -> None:

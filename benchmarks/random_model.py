@@ -24,7 +24,7 @@ def main() -> None:
     source, target = Path(sys.argv[1]), Path(sys.argv[2])
     config = AutoConfig.from_pretrained(source)
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the converted GGUF's, not a property of the random weights
+        del config.quantization_config  # a GGUF-derived config's, not a property of the random weights
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(target)

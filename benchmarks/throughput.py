@@ -93,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--torch_compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--attn_implementation", default="sdpa", help=argparse.SUPPRESS)
+    parser.add_argument("--attn_implementation", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--per_device_train_batch_size", type=int, help=argparse.SUPPRESS)  # the child's
     return parser.parse_args()
 
@@ -163,7 +163,13 @@ def run_variant(args: argparse.Namespace) -> dict:
     from alpaca.args import parse_layers, resolve_device_defaults
     from alpaca.data import Collator, global_batches, load_records, prepare_dataset, step_loader
     from alpaca.loss import summed_token_loss, token_weighted_loss
-    from alpaca.model import build_reft_model, compile_decoder_layers, intervention_parameters, set_attention
+    from alpaca.model import (
+        build_reft_model,
+        check_attention,
+        compile_decoder_layers,
+        intervention_parameters,
+        set_attention,
+    )
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -175,7 +181,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     if args.num_examples:
         records = records.select(np.random.default_rng(0).permutation(len(records))[: args.num_examples])
     dataset = prepare_dataset(records, tokenizer, args.model_max_length)
-    set_attention(model, args.attn_implementation, device)
+    check_attention(args.attn_implementation, device, model.dtype)
+    set_attention(model, args.attn_implementation)
     torch.manual_seed(0)
     reft_model = build_reft_model(model, args.layers, (1, 1), False, args.rank)
     if args.torch_compile:

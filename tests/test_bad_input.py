@@ -75,9 +75,9 @@ CASES = [
     ("varlen attention without packs", ["--attn_implementation", "sdpa_varlen"], "--attn_implementation sdpa_varlen "
      "only changes how packs attend; add --packing"),
     ("varlen attention on a CPU", ["--attn_implementation", "sdpa_varlen", "--packing"], "runs torch's varlen "
-     "kernel, on CUDA only; use sdpa"),
-    ("flash attention on a CPU", ["--attn_implementation", "flash_attention_2"], "--attn_implementation "
-     "flash_attention_2: FlashAttention2 has been toggled on, but it cannot be used"),
+     "flash kernel, on CUDA GPUs of compute capability 8.0 or more only; use sdpa"),
+    ("flash attention without flash-attn", ["--attn_implementation", "flash_attention_2"], "--attn_implementation "
+     "flash_attention_2 needs the flash-attn package (on a GPU it supports), which is not installed here"),
     ("unknown flag", ["--learning_rat", "1e-3"], "unrecognized arguments: --learning_rat"),
     ("eval without eval data", ["--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
     ("eval split ratio out of range", ["--eval_split_ratio", "1.5"], "--eval_split_ratio must be in (0, 1)"),

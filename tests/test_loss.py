@@ -7,14 +7,14 @@ import torch
 
 from alpaca.data import Collator, intervention_locations, load_records, tokenize
 from alpaca.loss import summed_token_loss, token_losses, token_weighted_loss
-from alpaca.model import build_reft_model, intervention_parameters, load_base_model
+from alpaca.model import build_reft_model, intervention_parameters, load_base_model, set_attention
 
 POSITION = (2, 2)
 
 
 def reft_setup(tiny_model, tiny_data, attention: str = "sdpa"):
     model, tokenizer = load_base_model(str(tiny_model), torch.float64, torch.device("cpu"))
-    model.set_attn_implementation(attention)
+    set_attention(model, attention)
     dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
     torch.manual_seed(0)
     reft_model = build_reft_model(model, "1;2", POSITION, False, rank=4)
@@ -240,10 +240,8 @@ def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, m
     import torch.nn.functional as F
     import transformers.masking_utils
     from torch.nn.attention import varlen
-    from transformers import AttentionInterface
 
     from alpaca.args import VARLEN_ATTENTION
-    from alpaca.workarounds import varlen_attention
 
     calls = []
 
@@ -251,6 +249,9 @@ def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, m
         bounds = cu_seq_q.tolist()
         assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
         assert window_size == (-1, 0) and enable_gqa and query.shape[1] == 2 * key.shape[1]
+        # what the CUDA kernel takes: int32 boundaries on the tensors' device, Python ints, a contiguous last dim
+        assert cu_seq_q.dtype == torch.int32 and cu_seq_q.is_contiguous() and cu_seq_q.device == query.device
+        assert type(max_q) is int and all(t.stride(-1) == 1 for t in (query, key, value))
         calls.append(len(bounds) - 1)
         return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (query, key, value)),
                                                          is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
@@ -259,7 +260,6 @@ def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, m
     checks = []
     monkeypatch.setattr(varlen, "varlen_attn", each_example_causal)
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", checks.append)
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
     reft_model, dataset, collate = reft_setup(tiny_model, tiny_data, VARLEN_ATTENTION)
     pack = Collator(collate.pad_token_id, POSITION, False, num_layers=2).pack([dataset[i] for i in range(3)])
     with torch.no_grad():
@@ -268,6 +268,29 @@ def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, m
     calls.clear()
     assert_pack_is_the_padded_batch(reft_model, dataset, collate)
     assert calls and set(calls) == {6}  # 5 examples and the rounded tail, in each layer of each forward
+
+
+@pytest.mark.parametrize("model_type, config, sliding", [("mistral", {"sliding_window": 8}, True),
+                                                          ("gemma3_text", {}, True),  # its layer_types
+                                                          ("qwen2", {"sliding_window": 8}, False),  # not used
+                                                          ("llama", {}, False)])
+def test_varlen_attention_refuses_sliding_windows(model_type, config, sliding):
+    """sdpa_varlen runs full causal attention: a model with a sliding-window layer is refused in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from alpaca.args import VARLEN_ATTENTION
+    from alpaca.errors import UsageError
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=128, **config))
+    if sliding:
+        with pytest.raises(UsageError, match="the model has sliding-window attention"):
+            set_attention(model, VARLEN_ATTENTION)
+    else:
+        set_attention(model, VARLEN_ATTENTION)
+        assert model.config._attn_implementation == VARLEN_ATTENTION
 
 
 def assert_pack_is_the_padded_batch(reft_model, dataset, collate) -> None:
