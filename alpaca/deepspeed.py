@@ -10,7 +10,9 @@ Under ZeRO-3 no rank loads the whole base: it is built on the meta device and ea
 from the safetensors files (`partition_base`). A module's parameters exist whole only while it runs, gathered
 by a collective that DeepSpeed starts from hooks on the module: every rank must run every forward (evaluation,
 sample answers), and the interventions are gathered on every rank before rank 0 alone reads them for an output
-or a checkpoint.
+or a checkpoint. Two of DeepSpeed's ways cost a frozen base memory for nothing, and `partition_base` changes
+them: a tied embedding stays gathered from its first use in a step to the step, as under --fsdp, and a frozen
+linear keeps no input for the backward (`keep_tied_embeddings_gathered`, `frozen_weight_linear`).
 
 Checkpoints are ours (alpaca.checkpoint), never DeepSpeed's (its loader unpickles arbitrary objects): the
 optimizer state is written as torch's AdamW writes it without DeepSpeed, full per parameter, assembled from
@@ -71,6 +73,16 @@ MODEL_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_siz
               "stage3_param_persistence_threshold": lambda h: 10 * h}
 
 
+def one_layer_parameters(model) -> int:
+    """Our "auto" for stage3_max_reuse_distance (HF fills none): the parameters of one decoder layer. A module's
+    parameters stay gathered when they are used again within that many, as a layer recomputed for the backward
+    under --gradient_checkpointing is; DeepSpeed's default, 1e9, is about one layer of a 70B model (0.86e9),
+    and all of any model below 1B parameters, which it then keeps gathered from the forward to the backward."""
+    from alpaca.model import decoder_layers
+
+    return sum(parameter.numel() for parameter in decoder_layers(model)[0].parameters())
+
+
 def start(config: dict, model, device: torch.device) -> None:
     """What DeepSpeed needs before its first call: the config's model-sized "auto" values, its view of the
     process group, and on a CPU no compiler run and memory that goes back to the OS."""
@@ -91,6 +103,8 @@ def start(config: dict, model, device: torch.device) -> None:
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":
             zero[key] = rule(model.config.get_text_config(decoder=True).hidden_size)
+    if zero.get("stage3_max_reuse_distance") == "auto":
+        zero["stage3_max_reuse_distance"] = one_layer_parameters(model)
     # DeepSpeed's ZeRO-2 calls collectives under their deprecated names at every step
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed",
                             category=FutureWarning)
@@ -131,6 +145,45 @@ def partition_base(model, model_name_or_path: str, config: dict, device: torch.d
             if start < stop:
                 partition[:stop - start].copy_(read_elements(index[name], name, start, stop))
     check_loaded(model)
+    keep_tied_embeddings_gathered(model)
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    if torch.nn.functional.linear is zero3_linear_wrap:  # installed by zero.Init, for the whole process
+        torch.nn.functional.linear = frozen_weight_linear()
+
+
+def keep_tied_embeddings_gathered(model) -> None:
+    """A tied embedding (SmolLM2: the largest tensor, 0.21 model copies) is used by the first module of each
+    forward, by the last one and by the first of the backward. DeepSpeed gathers it for each, the last two on top
+    of every activation of the step; marked persistent, as DeepSpeed marks parameters below
+    stage3_param_persistence_threshold, it is gathered at its first use and partitioned again at the step, as
+    --fsdp's root unit holds it (alpaca.strategy.shard_base_model). No more memory where the step peaks, which
+    holds it gathered either way, and two all-gathers fewer a micro-batch. `ds_persist` is private: DeepSpeed
+    is pinned (alpaca.deepspeed_config.TESTED_DEEPSPEED)."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is embeddings.weight:
+        embeddings.weight.ds_persist = True
+
+
+def frozen_weight_linear():
+    """DeepSpeed's ZeRO-3 linear ("memory_efficient_linear": it saves the parameter, not a view of the gathered
+    weight, so that the backward gathers it again) saves the input for the weight's gradient also where the
+    weight is frozen: one activation per linear of every layer the gradient flows through (SmolLM2, 2 ranks,
+    layers 8 and 19 intervened: 35 MiB at 161 tokens). This one keeps it only for a weight that needs a
+    gradient, as torch's linear does; the rest is DeepSpeed's (0.19.8)."""
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+
+    class FrozenWeightLinear(LinearFunctionForZeroStage3):
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            LinearFunctionForZeroStage3.setup_context(ctx, inputs, output)
+            input, weight, bias = inputs
+            ctx.save_for_backward(input if weight.requires_grad else None, weight, bias)  # replaces DeepSpeed's
+
+    def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return FrozenWeightLinear.apply(input, weight, bias)
+
+    return linear
 
 
 def initialize(reft_model, optimizer, scheduler, config: dict):

@@ -216,3 +216,24 @@ def test_an_untested_deepspeed_is_refused(tiny_model, tiny_data, tmp_path, monke
     assert (f"DeepSpeed 0.20.0 is installed, and these scripts are tested with DeepSpeed {TESTED_DEEPSPEED} only"
             in stderr and len(stderr.strip().splitlines()) == 1), stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("weight_trains", [False, True])
+def test_zero3_linear_keeps_the_input_only_for_a_weight_gradient(weight_trains):
+    """ZeRO-3's linear (alpaca.deepspeed.frozen_weight_linear, in place of DeepSpeed's): a frozen base's
+    linear saves no input for the backward, one that trains does; the gradients are torch's linear's."""
+    from alpaca.deepspeed import frozen_weight_linear
+
+    torch.manual_seed(0)
+    inputs = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 8, dtype=torch.float64, requires_grad=weight_trains)
+    bias = torch.randn(3, dtype=torch.float64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+        frozen_weight_linear()(inputs, weight, bias).square().sum().backward()
+    assert (inputs.data_ptr() in saved) == weight_trains, saved
+    expected = [tensor.detach().clone().requires_grad_(tensor.requires_grad) for tensor in (inputs, weight)]
+    torch.nn.functional.linear(*expected, bias).square().sum().backward()
+    assert torch.allclose(inputs.grad, expected[0].grad, rtol=1e-12)
+    if weight_trains:
+        assert torch.allclose(weight.grad, expected[1].grad, rtol=1e-12)
