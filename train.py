@@ -54,9 +54,11 @@ def train(args) -> None:
 
 def run(args, device, gpus: list[int], started: float) -> None:
     """Everything on the device (or the devices of a --device_map): data, model, the training loop, the output."""
+    import resource
     import time
 
     import numpy as np
+    import torch
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
@@ -174,7 +176,10 @@ def run(args, device, gpus: list[int], started: float) -> None:
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
                if args.num_sample_answers > 0 else None)
     save_output(reft_model, metrics, args.output_dir)
-    print(f"Trained to step {step} in {train_time:.0f}s ({window.tokens_seen / train_time:.0f} tokens/s); "
+    peak = (", ".join(f"cuda:{gpu} {torch.cuda.max_memory_allocated(gpu) / 2**30:.2f} GiB" for gpu in gpus) if gpus
+            else f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident")
+    print(f"Trained to step {step} in {train_time:.0f}s ({window.tokens_seen / train_time:.0f} tokens/s, peak memory "
+          f"{peak}); "
           f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
           f"{args.output_dir}/")
     if answers:

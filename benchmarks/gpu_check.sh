@@ -20,7 +20,11 @@
 #   5. packs on a GPU, bf16: train.py padded against --packing (SDPA, its mask over each pack) and --packing
 #      --attn_implementation sdpa_varlen (torch's varlen kernel), max weight and loss differences, beside two
 #      identical padded runs; with flash-attn installed, flash_attention_2 packed too.
-# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5"; 1d when asked).
+#   6. bf16 as GPU users train (issue 21): train.py against train_multigpu.py on 1 process with DDP, --fsdp,
+#      ZeRO-2, ZeRO-3 and ZeRO-3 offload, and a --device_map split of the model between cuda:0 and the CPU (and
+#      disk; issue 23): weight and loss differences, and each run's tokens/s and peak device memory (its
+#      "Trained to step" line).
+# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6"; 1d when asked).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
@@ -28,7 +32,7 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
                 || echo examples/data/alpaca_sample.json )}
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5} "
+SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6} "
 VARIANTS=${VARIANTS:-baseline,eager,compiled,packed,varlen}
 THROUGHPUT=($PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA"
             --num_examples "${NUM_EXAMPLES:-256}" --repeats 3)
@@ -134,5 +138,27 @@ if wants 5; then
         --output_dir "$OUT/packed-$attention" 2>&1 | tail -1 || echo "(failed)"
   done
   compare padded padded-again "${PACKED[@]/#/packed-}" || echo "(compare failed)"
+fi
+
+if wants 6; then
+  section "6. bf16: DDP, --fsdp, ZeRO-2, ZeRO-3, ZeRO-3 offload (1 process), and train.py split by --device_map"
+  trained() { grep -h "Trained to step" || echo "(failed)"; }
+  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16" | trained
+  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16-again" | trained
+  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/bf16-ddp" 2>&1 | trained
+  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --fsdp --output_dir "$OUT/bf16-fsdp" 2>&1 | trained
+  for config in zero2 zero3 zero3_offload; do
+    timeout 70 "${ONE_PROCESS[@]}" "${COMMON[@]}" --deepspeed "examples/deepspeed/$config.json" \
+        --output_dir "$OUT/bf16-$config" 2>&1 | trained
+  done
+  # half of SmolLM2's bf16 layers on the GPU, the rest in CPU memory; then layers 0-3 on disk, the rest on the GPU
+  timeout 60 $PYTHON train.py "${COMMON[@]}" --device_map auto --max_memory '{"0": "160MiB", "cpu": "8GiB"}' \
+      --output_dir "$OUT/bf16-cpu-split" 2>&1 | trained
+  DISK_MAP=$($PYTHON -c "import json; print(json.dumps({'model.embed_tokens': 0, **{f'model.layers.{i}': 'disk' if i < 4
+else 0 for i in range(30)}, 'model.norm': 0, 'model.rotary_emb': 0, 'lm_head': 0}))")
+  timeout 90 $PYTHON train.py "${COMMON[@]}" --device_map "$DISK_MAP" --offload_folder "$OUT/offload" \
+      --output_dir "$OUT/bf16-disk-split" 2>&1 | trained
+  compare bf16 bf16-again bf16-ddp bf16-fsdp bf16-zero2 bf16-zero3 bf16-zero3_offload bf16-cpu-split \
+      bf16-disk-split || echo "(compare failed)"
 fi
 echo; echo "done ($(date +%T)); outputs in $OUT"
