@@ -397,6 +397,7 @@ def validate(args: argparse.Namespace) -> None:
         print(f"warning: --share_weights shares one intervention between the f and l windows of a layer; "
               f"--position {args.position} has one window, so it changes nothing", file=sys.stderr)
     follow_accelerate_launch(args)
+    follow_accelerate_precision_and_dynamo(args)
     fsdp_words = set(getattr(args, "fsdp", "").split())
     if fsdp_words - FSDP_WORDS:
         raise UsageError(f"--fsdp {args.fsdp!r}: unknown option {sorted(fsdp_words - FSDP_WORDS)[0]!r}; use "
@@ -470,6 +471,31 @@ def follow_accelerate_launch(args: argparse.Namespace) -> None:
         raise UsageError(f"--deepspeed {args.deepspeed} and accelerate's --deepspeed_config_file {config_file} differ; "
                          "pass one of them")
     args.deepspeed = config_file
+
+
+ACCELERATE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def follow_accelerate_precision_and_dynamo(args: argparse.Namespace) -> None:
+    """`accelerate launch --mixed_precision` and `--dynamo_backend` reach the script as ACCELERATE_MIXED_PRECISION
+    and ACCELERATE_DYNAMO_BACKEND ("no" when not given). bf16/fp16 are read as HF's Trainer reads them, as --bf16
+    and --fp16 (here: the base in that dtype, the interventions in float32); inductor as --torch_compile. What
+    the scripts cannot run is refused, and so is a flag that says otherwise: never a silent float32 or eager run."""
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if precision in ACCELERATE_DTYPES:
+        given = "--bf16" if args.bf16 else "--fp16" if args.fp16 else f"--dtype {args.dtype}"
+        if given not in ("--dtype auto", f"--{precision}", f"--dtype {ACCELERATE_DTYPES[precision]}"):
+            raise UsageError(f"accelerate launch --mixed_precision {precision} and {given} differ; pass one of them")
+        args.dtype = ACCELERATE_DTYPES[precision]
+    elif precision != "no":
+        raise UsageError(f"accelerate launch --mixed_precision {precision}: these scripts train in bf16, fp16 or "
+                         "float32; launch with --mixed_precision bf16, or with no and pass --dtype")
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    if backend == "inductor":
+        args.torch_compile = True
+    elif backend != "no":
+        raise UsageError(f"accelerate launch --dynamo_backend {backend}: --torch_compile compiles with inductor only; "
+                         "launch with --dynamo_backend inductor, or no")
 
 
 def validate_device_map(args: argparse.Namespace) -> None:

@@ -35,7 +35,6 @@ import torch
 
 from alpaca.deepspeed_config import stage
 from alpaca.errors import UsageError
-from alpaca.sharding import return_freed_buffers_to_the_os
 
 
 def check_for_device(config: dict, path: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -85,7 +84,7 @@ def one_layer_parameters(model) -> int:
 
 def start(config: dict, model, device: torch.device) -> None:
     """What DeepSpeed needs before its first call: the config's model-sized "auto" values, its view of the
-    process group, and on a CPU no compiler run and memory that goes back to the OS."""
+    process group, and on a CPU no compiler run."""
     import importlib
     import warnings
 
@@ -98,8 +97,6 @@ def start(config: dict, model, device: torch.device) -> None:
         # time) for its inference all-reduce alone, which training never calls. (Looked up by name: the
         # attribute deepspeed.comm.torch is torch itself.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        if zero["stage"] == 3:
-            return_freed_buffers_to_the_os()  # as under --fsdp: each forward gathers and frees whole modules
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":
             zero[key] = rule(model.config.get_text_config(decoder=True).hidden_size)

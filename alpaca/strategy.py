@@ -130,6 +130,8 @@ class FSDP(Strategy):
             raise UsageError("--fsdp offload keeps the shards in CPU memory for GPUs; on CPUs drop 'offload'")
         super().__init__(device, max_grad_norm)
         self.offload = offload
+        if device.type == "cpu":
+            return_freed_buffers_to_the_os()
 
     def load_base(self, model_path, dtype, cache_dir):
         self.model_path, self.cache_dir = model_path, cache_dir
@@ -165,6 +167,8 @@ class ZeRO(Strategy):
         self.config = config
         self.shards_base = zero.stage(config) == 3
         self.layout = f"{'sharded' if self.shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(config)})"
+        if self.shards_base and device.type == "cpu":
+            return_freed_buffers_to_the_os()
 
     def load_base(self, model_path, dtype, cache_dir):
         if not self.shards_base:
@@ -208,8 +212,6 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options = {}
-    if device.type == "cpu":
-        return_freed_buffers_to_the_os()
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
         if offload:

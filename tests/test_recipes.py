@@ -4,6 +4,8 @@ model that one process trains with the same global batch."""
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -94,24 +96,57 @@ def test_accelerate_deepspeed_and_fsdp_run_them(runs, strategy, variables, layou
     assert_same_run(output_dir, root / "single")
 
 
-@pytest.mark.parametrize("script,variables,message", [
-    ("train_multigpu.py", {"ACCELERATE_USE_DEEPSPEED": "true"},
+@pytest.mark.parametrize("script,variables,flags,message", [
+    ("train_multigpu.py", {"ACCELERATE_USE_DEEPSPEED": "true"}, [],
      "accelerate launch --use_deepspeed without --deepspeed_config_file: ZeRO's settings come from a DeepSpeed "
      "config here; add --deepspeed_config_file examples/deepspeed/zero2.json (or pass --deepspeed CONFIG.json to "
      "the script)"),
-    ("train.py", {"ACCELERATE_USE_FSDP": "true"},
+    ("train.py", {"ACCELERATE_USE_FSDP": "true"}, [],
      "accelerate launch --use_fsdp: train.py trains on one device; launch train_multigpu.py with the same flags"),
-], ids=["deepspeed without a config", "train.py"])
+    ("train.py", {"ACCELERATE_MIXED_PRECISION": "fp8"}, [],
+     "accelerate launch --mixed_precision fp8: these scripts train in bf16, fp16 or float32; launch with "
+     "--mixed_precision bf16, or with no and pass --dtype"),
+    ("train_multigpu.py", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ["--dtype", "float32"],
+     "accelerate launch --mixed_precision bf16 and --dtype float32 differ; pass one of them"),
+    ("train.py", {"ACCELERATE_MIXED_PRECISION": "fp16"}, ["--bf16"],
+     "accelerate launch --mixed_precision fp16 and --bf16 differ; pass one of them"),
+    ("train.py", {"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}, [],
+     "accelerate launch --dynamo_backend aot_eager: --torch_compile compiles with inductor only; launch with "
+     "--dynamo_backend inductor, or no"),
+], ids=["deepspeed without a config", "train.py", "fp8", "bf16 against --dtype", "fp16 against --bf16",
+        "another dynamo backend"])
 def test_accelerate_modes_the_scripts_cannot_follow_are_refused(tiny_model, tiny_data, tmp_path, monkeypatch, script,
-                                                               variables, message):
+                                                               variables, flags, message):
     """What accelerate launch sets for them (accelerate's own DeepSpeed settings, from its flags, without a
-    config file; any strategy of train.py, a one-device script): one line, before anything is written."""
+    config file; any strategy of train.py, a one-device script; a precision or compiler they do not have, or
+    one a flag contradicts): one line, before anything is written."""
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     status, _, stderr = run_in_process(script, ["--model_name_or_path", tiny_model, "--data_path", tiny_data,
-                                                "--output_dir", tmp_path / "out"])
+                                                "--output_dir", tmp_path / "out", *flags])
     assert status == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("launch_flags,dtype,compiled", [
+    (["--mixed_precision", "bf16", "--dynamo_backend", "inductor"], "bfloat16", True),
+    (["--mixed_precision", "fp16"], "float16", False),
+    (["--mixed_precision", "no", "--dynamo_backend", "no"], "auto", False),
+], ids=["bf16 compiled", "fp16", "neither"])
+def test_accelerate_precision_and_dynamo_are_read_as_the_scripts_flags(tmp_path, launch_flags, dtype, compiled):
+    """A real `accelerate launch --mixed_precision ... --dynamo_backend ...` of a script that parses train.py's
+    flags as train.py does: bf16/fp16 arrive as --bf16/--fp16 (HF's Trainer reads them so), inductor as
+    --torch_compile, "no" (accelerate's default) as nothing."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+                     "from alpaca.args import parse_args\n"
+                     "args = parse_args('train.py', [])\n"
+                     "print('parsed', args.dtype, args.torch_compile)\n")
+    result = run_script([str(probe)], cwd=tmp_path, launcher=[
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", "1", "--num_machines", "1",
+        "--cpu", *launch_flags])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"parsed {dtype} {compiled}" in result.stdout, result.stdout[-2000:]
 
 
 def test_two_nodes_recipe_meets_through_c10d(runs):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The same run through `accelerate launch` (it sets the variables torchrun sets; the script does the rest,
-# so accelerate's own mixed precision and dynamo stay off: use --bf16 / --dtype instead).
+# The same run through `accelerate launch` (it sets the variables torchrun sets; the script does the rest:
+# accelerate's --mixed_precision bf16 and --dynamo_backend inductor would be read as --bf16 and --torch_compile,
+# so they are left at no here and the flags say what runs).
 #
 #   NPROC=8 examples/launch/accelerate.sh
 #   NPROC=8 DEEPSPEED_CONFIG=examples/deepspeed/zero2.json examples/launch/accelerate.sh   # as --deepspeed CONFIG
