@@ -411,7 +411,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.attn_implementation == VARLEN_ATTENTION and not args.packing:
         raise UsageError(f"--attn_implementation {VARLEN_ATTENTION} only changes how packs attend; add --packing, or "
                          "use sdpa")
-    sharding = "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None
+    sharding = sharding_flag(args)
     if args.torch_compile and sharding:
         # Their hooks gather and free the base's weights around each layer's forward: not yet tried compiled.
         raise UsageError(f"--torch_compile is not yet tested with {sharding} (sharded weights); drop one of them")
@@ -423,6 +423,11 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
     check_data_path("--data_path", args.data_path)
     validate_eval(args)
+
+
+def sharding_flag(args: argparse.Namespace) -> str | None:
+    """The flag that shards the base, if one does (train.py has neither)."""
+    return "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None
 
 
 def validate_packing(args: argparse.Namespace) -> None:
@@ -477,25 +482,35 @@ ACCELERATE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def follow_accelerate_precision_and_dynamo(args: argparse.Namespace) -> None:
-    """`accelerate launch --mixed_precision` and `--dynamo_backend` reach the script as ACCELERATE_MIXED_PRECISION
-    and ACCELERATE_DYNAMO_BACKEND ("no" when not given). bf16/fp16 are read as HF's Trainer reads them, as --bf16
-    and --fp16 (here: the base in that dtype, the interventions in float32); inductor as --torch_compile. What
-    the scripts cannot run is refused, and so is a flag that says otherwise: never a silent float32 or eager run."""
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    """`accelerate launch` passes its mixed precision and dynamo backend (its flags, else its saved config) as
+    ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_BACKEND ("no" when unset). bf16/fp16 are read as HF's
+    Trainer reads them, as --bf16 and --fp16 (here: the base in that dtype, the interventions in float32);
+    inductor as --torch_compile. What the scripts cannot run is refused, and so is a flag that says otherwise:
+    never a silent float32 or eager run. (accelerate's DeepSpeed launcher passes no dynamo backend at all.)"""
+    precision = (os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
+    setting = f"accelerate's mixed_precision {precision} (its --mixed_precision or its config file)"
     if precision in ACCELERATE_DTYPES:
         given = "--bf16" if args.bf16 else "--fp16" if args.fp16 else f"--dtype {args.dtype}"
         if given not in ("--dtype auto", f"--{precision}", f"--dtype {ACCELERATE_DTYPES[precision]}"):
-            raise UsageError(f"accelerate launch --mixed_precision {precision} and {given} differ; pass one of them")
+            raise UsageError(f"{setting} and {given} differ; pass one of them")
+        if precision == "fp16" and getattr(args, "deepspeed", None):
+            raise UsageError(f"{setting} under --deepspeed: a float16 base needs loss scaling, which these scripts "
+                             "do not run; launch with --mixed_precision bf16")
         args.dtype = ACCELERATE_DTYPES[precision]
     elif precision != "no":
-        raise UsageError(f"accelerate launch --mixed_precision {precision}: these scripts train in bf16, fp16 or "
-                         "float32; launch with --mixed_precision bf16, or with no and pass --dtype")
-    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+        raise UsageError(f"{setting}: these scripts train in bf16, fp16 or float32; launch with --mixed_precision "
+                         "bf16, or with no and pass --dtype")
+    backend = (os.environ.get("ACCELERATE_DYNAMO_BACKEND") or "no").lower()
+    setting = f"accelerate's dynamo_backend {backend} (its --dynamo_backend or its config file)"
     if backend == "inductor":
+        sharding = sharding_flag(args)
+        if sharding:
+            raise UsageError(f"{setting} means --torch_compile here, not yet tested with {sharding} (sharded "
+                             "weights); launch with --dynamo_backend no")
         args.torch_compile = True
     elif backend != "no":
-        raise UsageError(f"accelerate launch --dynamo_backend {backend}: --torch_compile compiles with inductor only; "
-                         "launch with --dynamo_backend inductor, or no")
+        raise UsageError(f"{setting}: --torch_compile compiles with inductor only; launch with --dynamo_backend "
+                         "inductor, or no")
 
 
 def validate_device_map(args: argparse.Namespace) -> None:

@@ -21,6 +21,10 @@ from conftest import (
     run_script,
 )
 
+from alpaca.args import parse_args
+
+DEEPSPEED = REPO / "examples" / "deepspeed"
+
 
 def plan_batch(processes: int) -> subprocess.CompletedProcess:
     """common.sh's plan_batch for GLOBAL_BATCH=32 with at most 8 per GPU; prints BATCH_FLAGS."""
@@ -104,17 +108,25 @@ def test_accelerate_deepspeed_and_fsdp_run_them(runs, strategy, variables, layou
     ("train.py", {"ACCELERATE_USE_FSDP": "true"}, [],
      "accelerate launch --use_fsdp: train.py trains on one device; launch train_multigpu.py with the same flags"),
     ("train.py", {"ACCELERATE_MIXED_PRECISION": "fp8"}, [],
-     "accelerate launch --mixed_precision fp8: these scripts train in bf16, fp16 or float32; launch with "
-     "--mixed_precision bf16, or with no and pass --dtype"),
+     "accelerate's mixed_precision fp8 (its --mixed_precision or its config file): these scripts train in bf16, "
+     "fp16 or float32; launch with --mixed_precision bf16, or with no and pass --dtype"),
     ("train_multigpu.py", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ["--dtype", "float32"],
-     "accelerate launch --mixed_precision bf16 and --dtype float32 differ; pass one of them"),
+     "accelerate's mixed_precision bf16 (its --mixed_precision or its config file) and --dtype float32 differ; "
+     "pass one of them"),
     ("train.py", {"ACCELERATE_MIXED_PRECISION": "fp16"}, ["--bf16"],
-     "accelerate launch --mixed_precision fp16 and --bf16 differ; pass one of them"),
+     "accelerate's mixed_precision fp16 (its --mixed_precision or its config file) and --bf16 differ; pass one "
+     "of them"),
+    ("train_multigpu.py", {"ACCELERATE_MIXED_PRECISION": "fp16"}, ["--deepspeed", DEEPSPEED / "zero2.json"],
+     "accelerate's mixed_precision fp16 (its --mixed_precision or its config file) under --deepspeed: a float16 "
+     "base needs loss scaling, which these scripts do not run; launch with --mixed_precision bf16"),
     ("train.py", {"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER"}, [],
-     "accelerate launch --dynamo_backend aot_eager: --torch_compile compiles with inductor only; launch with "
-     "--dynamo_backend inductor, or no"),
+     "accelerate's dynamo_backend aot_eager (its --dynamo_backend or its config file): --torch_compile compiles "
+     "with inductor only; launch with --dynamo_backend inductor, or no"),
+    ("train_multigpu.py", {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_USE_FSDP": "true"}, [],
+     "accelerate's dynamo_backend inductor (its --dynamo_backend or its config file) means --torch_compile here, "
+     "not yet tested with --fsdp (sharded weights); launch with --dynamo_backend no"),
 ], ids=["deepspeed without a config", "train.py", "fp8", "bf16 against --dtype", "fp16 against --bf16",
-        "another dynamo backend"])
+        "fp16 under deepspeed", "another dynamo backend", "inductor with fsdp"])
 def test_accelerate_modes_the_scripts_cannot_follow_are_refused(tiny_model, tiny_data, tmp_path, monkeypatch, script,
                                                                variables, flags, message):
     """What accelerate launch sets for them (accelerate's own DeepSpeed settings, from its flags, without a
@@ -144,9 +156,22 @@ def test_accelerate_precision_and_dynamo_are_read_as_the_scripts_flags(tmp_path,
                      "print('parsed', args.dtype, args.torch_compile)\n")
     result = run_script([str(probe)], cwd=tmp_path, launcher=[
         str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", "1", "--num_machines", "1",
-        "--cpu", *launch_flags])
+        "--cpu", *launch_flags], env={"HF_HOME": str(tmp_path / "hf")})  # no saved accelerate config of the user's
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"parsed {dtype} {compiled}" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("variables,flags,dtype", [
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, ["--bf16"], "bfloat16"),
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, ["--dtype", "bfloat16"], "bfloat16"),
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, ["--dtype", "float32"], "float32"),
+    ({"ACCELERATE_MIXED_PRECISION": "", "ACCELERATE_DYNAMO_BACKEND": ""}, [], "auto"),
+], ids=["bf16 and --bf16", "bf16 and --dtype bfloat16", "no and --dtype float32", "empty"])
+def test_accelerate_precision_that_agrees_with_the_flags_is_accepted(monkeypatch, variables, flags, dtype):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    args = parse_args("train.py", flags)
+    assert (args.dtype, args.torch_compile) == (dtype, False)
 
 
 def test_two_nodes_recipe_meets_through_c10d(runs):
