@@ -521,10 +521,10 @@ def validate_device_map(args: argparse.Namespace) -> None:
         if given:
             raise UsageError(f"--{given} applies to a --device_map; add --device_map auto (or a JSON map)")
         return
-    sharded_by = next((flag for flag in ("fsdp", "deepspeed") if getattr(args, flag, None)), None)
+    sharded_by = sharding_flag(args)
     if sharded_by:
-        raise UsageError(f"--device_map and --{sharded_by} are exclusive: a device map places each process's whole "
-                         f"model, --{sharded_by} shards it across processes; pick one (docs/big-models.md)")
+        raise UsageError(f"--device_map and {sharded_by} are exclusive: a device map places each process's whole "
+                         f"model, {sharded_by} shards it across processes; pick one (docs/big-models.md)")
     if args.max_memory is not None and isinstance(args.device_map, dict):
         raise UsageError("--max_memory sizes what --device_map auto/balanced/sequential places; a JSON --device_map "
                          "places every module itself: drop --max_memory")
