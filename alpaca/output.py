@@ -18,7 +18,14 @@ import torch
 from alpaca.args import INTERVENTIONS
 from alpaca.errors import UsageError
 from alpaca.model import import_intervention, new_intervention
-from alpaca.workarounds import compute_in_float32, import_pyreft, keep_foreign_hooks, register_layout, set_train_mode
+from alpaca.workarounds import (
+    compute_in_float32,
+    import_pyreft,
+    keep_foreign_hooks,
+    register_layout,
+    set_train_mode,
+    trainable_dtype,
+)
 
 ARGS_FILE = "training_args.json"
 METRICS_FILE = "metrics.jsonl"
@@ -97,6 +104,7 @@ def load_reft_model(directory: str | os.PathLike, base_model):
         if f"intkey_{key}.bin" not in states:
             raise UsageError(f"{directory} lacks intkey_{key}.bin; pass a complete output_dir")
         intervention.load_state_dict(states[f"intkey_{key}.bin"])
+        intervention.to(trainable_dtype(base_model.dtype))  # LoReFT's load rebuilds its rotation in float32
     if not device_mapped:
         reft_model.set_device(base_model.device, set_model=False)
     set_train_mode(reft_model, False)

@@ -109,7 +109,7 @@ def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, 
         applied = subprocess.run(["git", "apply", "-C1", "-"], input=diff, cwd=copy, capture_output=True, text=True)
         assert applied.returncode == 0, applied.stderr
     data, _ = question_answer_data
-    outputs = {}
+    outputs, arguments = {}, {}
     for command in commands:
         words = shlex.split(command)
         assert words[0] in ("python", "torchrun"), command
@@ -129,5 +129,10 @@ def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, 
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
         if "--output_dir" in words and "generate.py" not in command:
             outputs[words[0]] = copy / words[words.index("--output_dir") + 1]
+            arguments[words[0]] = [*words[1:], *extra]
         if words[0] == "torchrun":  # the adaptation trains one model on 1 and N processes
-            assert_same_run(outputs["torchrun"], outputs["python"])
+            truth = copy / "truth"  # the python command in float64, in the adapted copy: see conftest.NOISE_MARGIN
+            result = run_script([*arguments["python"], "--dtype", "float64", "--output_dir", str(truth)], cwd=copy)
+            assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+            assert_same_run(outputs["torchrun"], outputs["python"], truth_dir=truth)
+            shutil.rmtree(truth)

@@ -124,6 +124,7 @@ CASES = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name,flags,message", CASES, ids=[case[0] for case in CASES])
 def test_bad_input(name, flags, message, tiny_model, tmp_path, output_dir):
     paths = {**{key: str(value) for key, value in bad_data(tmp_path).items()}, "output_dir": str(output_dir),
@@ -142,6 +143,7 @@ def test_bad_input(name, flags, message, tiny_model, tmp_path, output_dir):
     assert sorted(p.name for p in output_dir.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.fast
 def test_a_finished_run_is_not_overwritten(tiny_model, tmp_path, output_dir):
     data = write_records(tmp_path / "ok.json", 5)
     args = ["--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", output_dir, "--layers", "1;2",

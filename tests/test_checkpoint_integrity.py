@@ -116,6 +116,7 @@ def test_a_damaged_checkpoint_is_refused_and_auto_resume_falls_back(tiny_model, 
     assert_same_run(tmp_path, reference / "single", exact=True)
 
 
+@pytest.mark.fast
 def test_a_checkpoint_cut_short_is_incomplete(tmp_path, killed_run):
     shutil.copytree(killed_run / "checkpoint-6", tmp_path / "checkpoint-6")
     state = tmp_path / "checkpoint-6" / "trainer_state.pt"
@@ -205,6 +206,7 @@ def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_r
     assert not marker.exists()
 
 
+@pytest.mark.fast
 def test_every_torch_load_in_the_project_is_weights_only():
     """A full unpickler on a file from disk runs whatever it pickled: every call names weights_only=True."""
     calls = [(path.relative_to(REPO), line) for path in REPO.glob("**/*.py") if ".venv" not in path.parts
@@ -241,6 +243,7 @@ MANIFEST_SHAPES = {
 }
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("shape", MANIFEST_SHAPES)
 def test_a_manifest_of_another_shape_is_damage(tmp_path, killed_run, capsys, shape):
     """Valid JSON, but not the manifest this version writes: the checkpoint is damaged, like one whose file does

@@ -30,6 +30,8 @@ from alpaca.data import (
 from alpaca.errors import UsageError
 from alpaca.model import load_base_model
 
+pytestmark = pytest.mark.fast  # unit tests, all in `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):

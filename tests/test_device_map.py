@@ -6,6 +6,7 @@ recomputation of an offloaded layer brings its weights from disk again."""
 
 import sys
 
+import pytest
 import torch
 from conftest import (
     OFFLOADED,
@@ -84,6 +85,7 @@ def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tin
         assert all(torch.equal(a, b) for a, b in zip(gradients, plain_gradients, strict=True)) and gradients
 
 
+@pytest.mark.fast
 def test_device_map_with_fsdp_or_deepspeed_is_refused(tmp_path):
     for sharding in (["--fsdp"], ["--deepspeed", "examples/deepspeed/zero3.json"]):
         status, _, stderr = run_in_process("train_multigpu.py", ["--device_map", "auto", *sharding, "--output_dir",
@@ -108,6 +110,7 @@ def test_gpus_that_do_not_divide_among_the_processes(tiny_model, tmp_path):
     assert result.stderr.count(message) == 1, result.stderr[-3000:]
 
 
+@pytest.mark.fast
 def test_a_checkpoint_keeps_the_random_state_of_every_gpu_of_the_process(monkeypatch):
     """A device map runs interventions, and their dropout, on each GPU of the process: a checkpoint keeps every
     one's generator (the first under "cuda", as before device maps), and a resume puts each back on its GPU.

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import RTOL, eval_losses, reloaded_eval_loss, run_in_process
+from conftest import assert_reproduces_eval_loss, eval_losses, rounding_tolerances, run_in_process
 
 from alpaca.data import eval_batches, load_splits
 from alpaca.output import read_metrics
@@ -28,7 +28,7 @@ def test_two_ranks_report_the_eval_loss_of_one_process(runs):
     root, _ = runs
     single, ddp = eval_losses(root / "single"), eval_losses(root / "ddp")
     assert single.keys() == ddp.keys() == {4, 8, 9}
-    assert ddp == pytest.approx(single, rel=RTOL, abs=0)
+    assert ddp == pytest.approx(single, rel=rounding_tolerances(root / "single")["eval_loss"], abs=0)
 
 
 def test_eval_loss_is_the_token_loss_of_the_saved_interventions(runs, tiny_tied_model, tiny_eval_data):
@@ -37,8 +37,7 @@ def test_eval_loss_is_the_token_loss_of_the_saved_interventions(runs, tiny_tied_
     final = eval_records(root / "single")[-1]
     records = json.loads(tiny_eval_data.read_text())
     assert {bool(record["input"]) for record in records} == {True, False}  # both prompt templates
-    assert final["eval_loss"] == pytest.approx(reloaded_eval_loss(root / "single", tiny_tied_model, records),
-                                               rel=RTOL)
+    assert_reproduces_eval_loss(final["eval_loss"], root / "single", tiny_tied_model, records)
 
 
 @pytest.mark.parametrize("name", ["single", "ddp"])
@@ -49,8 +48,7 @@ def test_evaluation_switches_dropout_off(reference, tiny_model, tiny_data, name)
     assert final["step"] == 9 and json.loads((reference / name / "training_args.json").read_text())["dropout"] > 0
     _, held_out = load_splits(str(tiny_data), eval_split_ratio=0.15, seed=42)
     assert final["eval_examples"] == len(held_out) == 4
-    assert final["eval_loss"] == pytest.approx(reloaded_eval_loss(reference / name, tiny_model, held_out),
-                                               rel=RTOL)
+    assert_reproduces_eval_loss(final["eval_loss"], reference / name, tiny_model, held_out)
 
 
 def test_eval_split_ratio_holds_out_part_of_the_training_data(tiny_model, tiny_data, tmp_path):
@@ -67,6 +65,7 @@ def test_eval_split_ratio_holds_out_part_of_the_training_data(tiny_model, tiny_d
     assert f"eval loss {records[0]['eval_loss']:.4f} -> {records[-1]['eval_loss']:.4f}" in stdout
 
 
+@pytest.mark.fast
 def test_held_out_split_is_seeded_disjoint_and_never_subsampled_into(tiny_data):
     train, held_out = load_splits(str(tiny_data), eval_split_ratio=0.25, max_n_train_example=10, seed=1)
     again, held_out_again = load_splits(str(tiny_data), eval_split_ratio=0.25, max_n_train_example=10, seed=1)
@@ -77,6 +76,7 @@ def test_held_out_split_is_seeded_disjoint_and_never_subsampled_into(tiny_data):
     assert not set(train["instruction"]) & set(held_out["instruction"])
 
 
+@pytest.mark.fast
 def test_eval_batches_cover_every_example_once_longest_first():
     lengths = torch.randint(3, 50, (11,)).numpy()
     batches = eval_batches(lengths, 4)

@@ -6,11 +6,10 @@ import json
 import pytest
 import torch
 from conftest import (
-    RTOL,
+    assert_reproduces_eval_loss,
     assert_same_run,
     build_tiny_model,
     eval_losses,
-    reloaded_eval_loss,
     run_in_process,
     torchrun,
     write_records,
@@ -73,7 +72,7 @@ def test_each_family_trains_loads_back_and_generates(family, family_model, tmp_p
     losses = [record["loss"] for record in read_metrics(output) if "loss" in record]
     assert len(losses) == 2 and losses[1] < losses[0], losses
     records = json.loads(data.read_text())
-    assert eval_losses(output)[2] == pytest.approx(reloaded_eval_loss(output, model_dir, records), rel=RTOL)
+    assert_reproduces_eval_loss(eval_losses(output)[2], output, model_dir, records)
     status, stdout, stderr = run_in_process("examples/generate.py", ["--reft_dir", output, "--instruction",
                                                                      "Name three primary colors.",
                                                                      "--max_new_tokens", "4"])

@@ -46,6 +46,7 @@ def test_the_reft_answer_is_the_trained_model_s(runs, untrained, tiny_tied_model
     assert answers(root / "ddp", tiny_tied_model) == trained
 
 
+@pytest.mark.fast
 def test_generate_prints_base_and_reft_side_by_side(runs, tiny_tied_model):
     root, _ = runs
     status, stdout, stderr = run_in_process(GENERATE, ["--reft_dir", root / "single", "--instruction",
@@ -111,6 +112,7 @@ def test_generate_refuses_a_bad_device_map_in_one_line(runs, placement, message)
     assert stderr.strip().splitlines()[-1] == errors[0] and "Traceback" not in stderr
 
 
+@pytest.mark.fast
 def test_generate_needs_a_training_output(tmp_path):
     result = run_script([GENERATE, "--reft_dir", str(tmp_path)])
     assert result.returncode == 2

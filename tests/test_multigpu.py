@@ -2,11 +2,10 @@
 
 import json
 
+import pytest
 import torch
 from conftest import (
     COMMON,
-    COMPILED_RTOL,
-    COMPILED_WEIGHTS_RTOL,
     FAULTS,
     assert_same_run,
     copy_as_killed,
@@ -20,6 +19,7 @@ from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
 
 
+@pytest.mark.fast
 def test_two_ranks_train_the_same_model_as_train_py(runs):
     root, _ = runs
     assert [r["step"] for r in read_metrics(root / "ddp") if "loss" in r] == list(range(1, 10))  # 3 epochs x 3
@@ -55,7 +55,7 @@ def test_dataloader_workers_rounded_padding_and_gradient_checkpointing_train_the
 
 def test_compiled_layers_train_the_same_model_in_a_bounded_number_of_graphs(runs):
     """--torch_compile: one process (in this one, to read Dynamo's counters) and two with
-    --gradient_checkpointing train the eager runs' model, within float noise (conftest.COMPILED_RTOL). The run has
+    --gradient_checkpointing train the eager runs' model, within float noise. The run has
     a new width at almost every micro-batch (no rounding on the CPU), but the layers compile once per kind of call:
     with or without grad (training, evaluation), an input that needs grad or not (layers before and after the
     first intervention), a batch of one example or more (Dynamo specializes sizes 0 and 1). --fsdp is refused."""
@@ -78,11 +78,11 @@ def test_compiled_layers_train_the_same_model_in_a_bounded_number_of_graphs(runs
     # 8 (the kinds above) is also Dynamo's recompile limit, past which it would run the layers eager
     assert 0 < graphs <= 2 * 2 * 2 <= torch._dynamo.config.recompile_limit, graphs
     assert len(shapes) > graphs, shapes  # 14 shapes, 6 graphs
-    assert_same_run(root / "compiled", root / "single", rtol=COMPILED_RTOL, weights_rtol=COMPILED_WEIGHTS_RTOL)
+    assert_same_run(root / "compiled", root / "single")
     result = torchrun(2, ["train_multigpu.py", *data, "--output_dir", str(root / "compiled-ddp"), *compiled,
                           "--gradient_accumulation_steps", "2", "--gradient_checkpointing"])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(root / "compiled-ddp", root / "ddp", rtol=COMPILED_RTOL, weights_rtol=COMPILED_WEIGHTS_RTOL)
+    assert_same_run(root / "compiled-ddp", root / "ddp")
     status, _, stderr = run_in_process("train_multigpu.py", [*data, "--output_dir", root / "refused", *compiled,
                                                              "--fsdp"])
     assert status == 2 and "--torch_compile is not yet tested with --fsdp" in stderr, stderr[-3000:]
@@ -102,6 +102,7 @@ def test_only_rank_zero_prints_and_writes(runs):
     assert json.loads((root / "ddp" / "training_args.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.fast
 def test_ranks_see_disjoint_shards_covering_each_epoch_in_a_new_order():
     world_size, per_device, accumulation, seed = 2, 2, 2, 42
     orders = []

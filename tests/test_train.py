@@ -46,6 +46,7 @@ def test_training_lowers_the_loss(tiny_model, tmp_path, weight_decay):
     assert args["weight_decay"] == float(weight_decay) and args["total_steps"] == 15
 
 
+@pytest.mark.fast
 def test_the_run_comparison_catches_a_wrong_gradient_scale(tiny_model, tiny_data, tiny_eval_data, tmp_path,
                                                          monkeypatch):
     """A run whose objective is twice the right one (as when a `* world_size` or an accumulation factor is
@@ -84,6 +85,7 @@ def test_noreft_trains_evaluates_and_saves(tiny_model, tiny_data, tiny_eval_data
     assert any(name.endswith("/proj_layer.bias") for name in intervention_weights(tmp_path))
 
 
+@pytest.mark.fast
 def test_rotation_never_gets_weight_decay(tiny_model):
     model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
     reft_model = build_reft_model(model, "all", (1, 1), False, rank=2)
@@ -132,6 +134,7 @@ def test_pyreft_example_command_line_runs(pyreft_example_run):
     assert sorted(p.name for p in output_dir.glob("intkey_*.bin")) and (output_dir / "config.json").exists()
 
 
+@pytest.mark.fast
 def test_help_and_usage_errors_of_both_scripts_need_no_heavy_imports(tmp_path):
     """--help, a parse error and a bad --deepspeed config (unreadable, invalid JSON, a refused value) answer
     before torch, transformers, datasets, pyvene or pyreft are imported."""
@@ -166,6 +169,7 @@ print(json.dumps([heavy, answers]))
     assert all(err.count("\n") == 1 for *_, err in answers[1:6] + answers[7:]), answers  # one line each
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("flags,message", [
     (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
     (["--position", "f1+"], "--position 'f1+' is malformed"),
@@ -182,6 +186,7 @@ def test_usage_errors_are_one_line(flags, message):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.fast
 def test_device_dependent_defaults():
     """Bounded shapes and worker processes on CUDA, neither on CPU (README, Performance); given values stay."""
     from alpaca.args import parse_args, resolve_device_defaults
@@ -195,6 +200,7 @@ def test_device_dependent_defaults():
     assert (args.pad_to_multiple_of, args.dataloader_num_workers) == (8, 0)
 
 
+@pytest.mark.fast
 def test_train_py_refuses_torchrun():
     result = run_script(["--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", "--help"],
                         launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=120)
