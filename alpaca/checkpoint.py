@@ -67,7 +67,7 @@ def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
 
 
 def cuda_rng_key(index: int) -> str:
-    """The process's first GPU under "cuda", as before device maps; its others after it."""
+    """The process's first GPU under "cuda" (the one a single-GPU run has); its others after it."""
     return "cuda" if index == 0 else f"cuda{index}"
 
 

