@@ -1,6 +1,6 @@
 """Train LoReFT interventions on Alpaca instruction data, on one device.
 
-    python train.py                      # SmolLM2-135M-Instruct on the shipped sample data, ~4 min on a CPU
+    python train.py                      # SmolLM2-135M-Instruct on the shipped sample data (make train)
     python train.py --model_name_or_path meta-llama/Llama-3.2-1B --data_path alpaca_data.json \
         --layers "8;19" --rank 4 --position "f1+l1" --learning_rate 2e-5 ...
 

@@ -275,8 +275,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
               f"{VARLEN_ATTENTION}: sdpa, with each pack of --packing through torch's varlen flash kernel (CUDA, "
               "bf16/fp16), examples apart without a mask over the pack (docs/performance.md)")
     flag("--torch_compile", type=str2bool, nargs="?", const=True, default=False,
-         help="compile each decoder layer's forward with torch.compile (below pyvene's hooks); off by default: no "
-              "GPU measurement shows a gain yet (docs/performance.md)")
+         help="compile each decoder layer's forward with torch.compile (below pyvene's hooks); off by default: "
+              "compiling costs a minute or more at startup (docs/performance.md)")
 
     group = parser.add_argument_group("optimization")
     flag = group.add_argument
@@ -414,7 +414,7 @@ def validate(args: argparse.Namespace) -> None:
                          "use sdpa")
     sharding = sharding_flag(args)
     if args.torch_compile and sharding:
-        # Their hooks gather and free the base's weights around each layer's forward: not yet tried compiled.
+        # Their hooks gather and free the base's weights around each layer's forward: untested compiled.
         raise UsageError(f"--torch_compile is not yet tested with {sharding} (sharded weights); drop one of them")
     if args.bf16 and args.fp16:
         raise UsageError("--bf16 and --fp16 are exclusive; pick one (or use --dtype)")
@@ -562,8 +562,8 @@ def resolve_device_defaults(args: argparse.Namespace, device_type: str) -> None:
     on_cuda = device_type == "cuda"
     if args.pad_to_multiple_of is None:
         # cuDNN's attention builds a plan per input shape; with no mask (alpaca.loss.token_losses) SDPA may also
-        # pick flash. Bounding the shapes was chosen over taking cuDNN out of SDPA's backends, without a GPU
-        # measurement yet; benchmarks/gpu_check.sh measures 64 against unbounded (1), to decide.
+        # pick flash. Bounding the shapes keeps torch's choice of backend and builds at most a few plans;
+        # benchmarks/gpu_check.sh measures 64 against unbounded (1) on your GPU.
         args.pad_to_multiple_of = 64 if on_cuda else 1
     if args.dataloader_num_workers is None:
         args.dataloader_num_workers = 2 if on_cuda else 0

@@ -34,20 +34,16 @@ import torch
 from alpaca.args import parse_layers, parse_position
 from alpaca.data import records_fingerprint
 from alpaca.errors import StorageError, UsageError
-from alpaca.manifest import MANIFEST, files_problem, read_manifest, write_manifest
-from alpaca.model import earlier_config_hashes, model_fingerprint
+from alpaca.manifest import files_problem, read_manifest, write_manifest
+from alpaca.model import model_fingerprint
 from alpaca.optim import StepPlan
 from alpaca.output import ARGS_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
-FORMAT = 2  # 1: sizes only in the manifest, the trainer state a full pickle (never loaded: it could run code)
 INTERVENTIONS_STATE = "interventions.pt"
 TRAINER_STATE = "trainer_state.pt"  # the tensors: optimizer, scheduler, RNG states
 TRAINER_STATE_JSON = "trainer_state.json"  # the plain values
 TENSOR_STATE_KEYS = ("optimizer", "scheduler", "rng")
-OLD_FORMAT = ("written by an older version of these scripts, whose trainer state is a full pickle that could run "
-              "code when loaded; it is never loaded. Finish that run with the version that wrote it, or start over "
-              "with --overwrite_output_dir")
 
 
 def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
@@ -67,7 +63,7 @@ def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
 
 
 def cuda_rng_key(index: int) -> str:
-    """The process's first GPU under "cuda", as before device maps; its others after it."""
+    """The process's first GPU under "cuda" (the one a single-GPU run has); its others after it."""
     return "cuda" if index == 0 else f"cuda{index}"
 
 
@@ -151,7 +147,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, traine
                 contents[ARGS_FILE] = (output_dir / ARGS_FILE).read_bytes()
             for name, data in contents.items():
                 write_file(staging / name, data)
-            write_manifest(staging, format=FORMAT, step=step)
+            write_manifest(staging, step=step)
             for path in staging.iterdir():  # on disk before the rename makes the checkpoint visible
                 with open(path, "rb") as file:
                     os.fsync(file.fileno())
@@ -207,16 +203,12 @@ def write_file(path: Path, data: bytes) -> None:
 
 def checkpoint_problem(path: Path) -> str | None:
     """What is wrong with a checkpoint directory, or None if it is complete and intact. A manifest of any shape
-    but this format's counts as damage, as a file that does not match its SHA-256 does."""
+    but the one save_checkpoint writes counts as damage, as a file that does not match its SHA-256 does."""
     if not path.is_dir():
         return "missing (no such directory)"
     manifest = read_manifest(path)
     if isinstance(manifest, str):
         return manifest
-    if manifest.get("format", 1) == 1:  # format 1 had no "format" field
-        return OLD_FORMAT
-    if manifest["format"] != FORMAT:
-        return f"damaged ({MANIFEST} gives format {manifest['format']!r}, this version writes {FORMAT})"
     return files_problem(path, manifest, required=(INTERVENTIONS_STATE, TRAINER_STATE, TRAINER_STATE_JSON))
 
 
@@ -243,14 +235,11 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest intact checkpoint; incomplete or damaged ones are skipped with a warning. One written in the
-    old format is refused: resuming from an older checkpoint instead would silently drop the steps after it."""
+    """The newest intact checkpoint; incomplete or damaged ones are skipped with a warning."""
     for path in reversed(checkpoints(output_dir)):
         problem = checkpoint_problem(path)
         if problem is None:
             return path
-        if problem == OLD_FORMAT:
-            raise UsageError(f"{path} was {problem}")
         print(f"warning: skipping {path}: {problem}", file=sys.stderr)
     return None
 
@@ -282,9 +271,7 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     states, saved = checkpoint
     check_resumable(saved, args, world_size, num_examples)
     load_intervention_states(reft_model, states)  # the same layers, positions' layout, rank and initialization
-    check_fingerprint(saved.get("fingerprint"), fingerprint, args, rank)
-    if saved["num_examples"] != num_examples:  # what a checkpoint without a fingerprint can still tell
-        raise other_data_or_seed(saved, args, num_examples)
+    check_fingerprint(saved.get("fingerprint"), fingerprint, args)
     total_steps = StepPlan.from_args(args, num_examples, world_size).total_steps
     if saved["step"] >= total_steps:
         raise UsageError(f"the checkpoint is at step {saved['step']} and this run ends at step {total_steps}: "
@@ -324,25 +311,20 @@ def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
             "flags": flags}
 
 
-def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace, rank: int) -> None:
+def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace) -> None:
     """Refuse, in one line naming every difference, a resume on other data, another base model or other flags."""
     if saved is None:
-        if rank == 0:
-            print("warning: the checkpoint was written before checkpoints recorded their data, base model and "
-                  "flags, so they cannot be checked: this resume trusts that they are the original run's",
-                  file=sys.stderr)
-        return
+        raise UsageError("the checkpoint records no fingerprint of its data, base model and flags, so this resume "
+                         "cannot be checked against them; resume it with the version of these scripts that wrote it, "
+                         "or train anew in another --output_dir")
     changes = []
     if saved["data"] != current["data"]:
         changes.append(f"the training data (the records of --data_path {args.data_path!r} as trained on, after "
                        "--field_map, --max_n_train_example and any held-out split)")
-    same_model = {part: {current["model"][part]} for part in ("config", "tokenizer", "weights")}
-    if saved["model"]["config"] != current["model"]["config"]:
-        same_model["config"] |= earlier_config_hashes(args.model_name_or_path, args.cache_dir)
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
-                for part, hashes in same_model.items() if saved["model"][part] not in hashes]
+                for part in ("config", "tokenizer", "weights") if saved["model"][part] != current["model"][part]]
     changes += [f"--{name} ({saved['flags'][name]} in the checkpoint, {value} in this run)"
-                for name, value in current["flags"].items() if saved["flags"].get(name, value) != value]
+                for name, value in current["flags"].items() if saved["flags"].get(name) != value]
     if changes:
         raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
                          "model and flags the checkpoint was trained with (its training_args.json), or train "

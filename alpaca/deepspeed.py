@@ -93,9 +93,9 @@ def start(config: dict, model, device: torch.device) -> None:
 
     zero = config["zero_optimization"]
     if device.type == "cpu":
-        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce as it starts (g++, ~30 s the first
-        # time) for its inference all-reduce alone, which training never calls. (Looked up by name: the
-        # attribute deepspeed.comm.torch is torch itself.)
+        # DeepSpeed's CPU backend JIT-compiles (g++) a shared-memory all-reduce as it starts, for its inference
+        # all-reduce alone, which training never calls. (Looked up by name: the attribute deepspeed.comm.torch
+        # is torch itself.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":
@@ -150,7 +150,7 @@ def partition_base(model, model_name_or_path: str, config: dict, device: torch.d
 
 
 def keep_tied_embeddings_gathered(model) -> None:
-    """A tied embedding (SmolLM2: the largest tensor, 0.21 model copies) is used by the first module of each
+    """A tied embedding (often the largest tensor) is used by the first module of each
     forward, by the last one and by the first of the backward. DeepSpeed gathers it for each, the last two on top
     of every activation of the step; marked persistent, as DeepSpeed marks parameters below
     stage3_param_persistence_threshold, it is gathered at its first use and partitioned again at the step, as
@@ -165,9 +165,8 @@ def keep_tied_embeddings_gathered(model) -> None:
 def frozen_weight_linear():
     """DeepSpeed's ZeRO-3 linear ("memory_efficient_linear": it saves the parameter, not a view of the gathered
     weight, so that the backward gathers it again) saves the input for the weight's gradient also where the
-    weight is frozen: one activation per linear of every layer the gradient flows through (SmolLM2, 2 ranks,
-    layers 8 and 19 intervened: 35 MiB at 161 tokens). This one keeps it only for a weight that needs a
-    gradient, as torch's linear does; the rest is DeepSpeed's (0.19.8)."""
+    weight is frozen: one activation per linear of every layer the gradient flows through. This one keeps it
+    only for a weight that needs a gradient, as torch's linear does; the rest is DeepSpeed's (0.19.8)."""
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
 
     class FrozenWeightLinear(LinearFunctionForZeroStage3):

@@ -43,7 +43,7 @@ def process_group(backend: str, timeout_s: float, device: torch.device) -> Itera
         _clear_sharding_prop_cache()  # DTensor's caches keep FSDP's device mesh, which keeps the group
         gc.collect()  # the block's objects in reference cycles
         dist.destroy_process_group()
-        gc.collect()  # in ~1 FSDP run of 14 on CPU, the sharded modules became collectable only here
+        gc.collect()  # FSDP's sharded modules can become collectable only once the group is gone
 
 
 def agree(status: int, device: torch.device) -> int:

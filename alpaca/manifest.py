@@ -73,16 +73,12 @@ def directory_problem(directory: Path) -> str | None:
     return manifest if isinstance(manifest, str) else files_problem(directory, manifest)
 
 
-def cached_directory(path: Path, build: Callable[[Path], None], what: str, version: int | None = None) -> Path:
+def cached_directory(path: Path, build: Callable[[Path], None], what: str) -> Path:
     """`path`, a cache directory that `build(directory)` fills: reused when it matches its manifest, else
-    (re)built, with a one-line notice if it was there but damaged, or built by an earlier `version` of `build` (kept
-    in the manifest). Built next to it and renamed into place, so concurrent first runs (ranks, parallel jobs)
-    never see half of one: the first rename wins, the others drop their copy."""
+    (re)built, with a one-line notice if it was there but damaged. Built next to it and renamed into place, so
+    concurrent first runs (ranks, parallel jobs) never see half of one: the first rename wins, the others drop
+    their copy."""
     problem = directory_problem(path) if path.exists() else None
-    if path.exists() and problem is None and version is not None:
-        built_by = read_manifest(path).get("version") or 1
-        if built_by < version:  # not one a newer version built (another checkout sharing the cache)
-            problem = f"from version {built_by} of its builder, not {version}"
     if path.exists() and problem is None:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +88,7 @@ def cached_directory(path: Path, build: Callable[[Path], None], what: str, versi
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=path.parent))
     try:
         build(staging)
-        write_manifest(staging, **({} if version is None else {"version": version}))
+        write_manifest(staging)
         os.rename(staging, path)
     except OSError:
         if not path.exists():  # not a rename lost to another process: a real failure

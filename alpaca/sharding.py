@@ -163,11 +163,10 @@ def return_freed_buffers_to_the_os() -> None:
     """Sharded on the CPU, each rank all-gathers every unit into fresh host memory and frees it after use.
     glibc serves large allocations with mmap and unmaps them when freed, but raises its mmap threshold to
     the size of each such chunk freed: from the second unit on, the gathered units come from the heap,
-    which keeps what is freed (SmolLM2, 2 ranks: +1.5 model copies per rank within two steps). Setting
-    the threshold fixes it (and turns that adjustment off); at 64 KiB, what a step frees is returned
-    (at 1 MiB, a tenth of a model copy stayed from step to step). Set as the strategy is chosen, before the
-    data and the model load: set later (ZeRO-3 used to set it as its engine started), a heap that had grown
-    meanwhile served the partitions and kept what was freed, in 6 runs of 15 (+0.10-0.15 copies on a rank)."""
+    which keeps what is freed (more than a model copy per rank within two steps). Setting the threshold
+    fixes it (and turns that adjustment off); at 64 KiB, what a step frees is returned (a larger threshold
+    keeps part of a model copy from step to step). Set as the strategy is chosen, before the data and the
+    model load: a heap grown before it is set serves the partitions and keeps what they free."""
     import ctypes
     import ctypes.util
 

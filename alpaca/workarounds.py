@@ -84,8 +84,8 @@ def trainable_dtype(base_dtype: torch.dtype) -> torch.dtype:
 def compute_in_float32(reft_model) -> None:
     """pyreft 0.1.0 builds each intervention's learned source (and NoReFT's projection) in the dtype it is given,
     bfloat16 by default, and its forwards need the hidden state in that dtype (`learned_source(base)`). A bf16
-    weight loses AdamW's updates that fall below half a bf16 spacing: at lr 2e-5, 15 steps moved 3-8 % of the
-    entries of each such weight (docs/exactness.md). So interventions are built in float32
+    weight loses AdamW's updates that fall below half a bf16 spacing: at lr 2e-5 most of its entries never
+    move (docs/exactness.md). So interventions are built in float32
     (alpaca.model.new_intervention) and computed in float32: the hidden state goes in cast up, the output comes
     back in the base's dtype, which pyvene writes into the base's hidden state. On a float32 base both casts
     return their input (on a float64 one, everything is float64: `trainable_dtype`)."""
@@ -114,7 +114,7 @@ def causal_attention_without_mask_checks(model) -> None:
     registered, makes `create_causal_mask` return None at once: the layers get no mask, and the function is
     transformers' own SDPA one, which then runs plain causal attention (the same logits, tested). So only a
     forward with neither a mask, position ids nor a cache uses it (a pre-hook chooses per forward); any other
-    (generation, a masked baseline) goes through "sdpa" and its masks as before, and a pack (--packing) through
+    (generation, a masked baseline) goes through "sdpa" and its masks, and a pack (--packing) through
     "sdpa" or, set up with --attn_implementation sdpa_varlen, `varlen_attention`. Only for a model on either."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

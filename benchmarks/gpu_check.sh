@@ -9,7 +9,7 @@
 #      1a. SmolLM2-135M at per-device batch 8, 32 and 64;  1b. Llama-3.2-1B's shape (random weights) at 8 and 32;
 #      1c. the attention backend: baseline and eager with cuDNN's SDPA off, SmolLM2 at 8 and the 1B shape at 8
 #          (against 1a/1b: pick the faster, docs/performance.md);  1d. Llama-3.1-8B's shape (random bf16) at 8.
-#      Not yet run on a GPU: the timeouts are estimates (a compiled variant compiles first: about a minute);
+#      The timeouts are estimates (a compiled variant compiles first: about a minute);
 #   2. the host syncs left in train.py's step (torch.cuda.set_sync_debug_mode("warn")); it fails if one is in a
 #      forward;
 #   3. train.py against train_multigpu.py on 1 process (NCCL, DDP) and with --fsdp: max weight and loss
@@ -20,9 +20,9 @@
 #   5. packs on a GPU, bf16: train.py padded against --packing (SDPA, its mask over each pack) and --packing
 #      --attn_implementation sdpa_varlen (torch's varlen kernel), max weight and loss differences, beside two
 #      identical padded runs; with flash-attn installed, flash_attention_2 packed too.
-#   6. bf16 as GPU users train (issue 21): train.py against train_multigpu.py on 1 process with DDP, --fsdp,
+#   6. bf16 as GPU users train: train.py against train_multigpu.py on 1 process with DDP, --fsdp,
 #      ZeRO-2, ZeRO-3 and ZeRO-3 offload, and a --device_map split of the model between cuda:0 and the CPU (and
-#      disk; issue 23): weight and loss differences, and each run's tokens/s and peak device memory (its
+#      disk): weight and loss differences, and each run's tokens/s and peak device memory (its
 #      "Trained to step" line).
 # SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6"; 1d when asked).
 set -euo pipefail

@@ -1,7 +1,7 @@
 """A model directory with another model's configuration and tokenizer and seeded random weights (bf16
 safetensors): the same cost per token, for benchmarks on a machine the real weights cannot reach.
 
-    python benchmarks/random_model.py ~/.cache/reft-alpaca/SmolLM2-135M-Instruct /tmp/smollm2-random
+    python benchmarks/random_model.py ~/.cache/reft-alpaca/SmolLM2-135M-Instruct-float32 /tmp/smollm2-random
     MODEL=/tmp/smollm2-random bash benchmarks/gpu_check.sh
 
 SOURCE needs only config.json and the tokenizer files, not the weights.

@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py                         # SmolLM2, ../shared/data/alpaca_en_demo.json if present
     python benchmarks/throughput.py --batch_sizes 8,32,64 --model_shape llama-3.2-1b   # on a GPU
-    python benchmarks/throughput.py --num_examples 236 --repeats 2      # on a CPU: 30 steps of batch 8, ~1 h
+    python benchmarks/throughput.py --num_examples 236 --repeats 2      # on a CPU: 30 steps of batch 8
 
 Each variant is a set of flags (VARIANTS) for a process of its own per batch size, so that its peak memory is its
 own; adding one (a packed step, another attention backend) is one more entry:

@@ -10,7 +10,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SAMPLE_DATA, assert_same_run, free_port, run_script
+from conftest import (
+    FLOAT64_RTOL,
+    REPO,
+    SAMPLE_DATA,
+    assert_same_run,
+    free_port,
+    intervention_weights,
+    logged_values,
+    run_script,
+)
 
 from alpaca.args import parse_args
 from alpaca.data import load_records
@@ -96,43 +105,77 @@ def guide_sections() -> list[tuple[str, str, list[str]]]:
     return sections
 
 
+def guide_copy(directory, diff: str | None):
+    """A fresh copy of the repository with a guide section's diff applied."""
+    ignored = shutil.ignore_patterns(".git", ".venv", "__pycache__", "output", "out_*", "wandb")
+    shutil.copytree(REPO, directory, ignore=ignored)
+    if diff is not None:
+        applied = subprocess.run(["git", "apply", "-C1", "-"], input=diff, cwd=directory, capture_output=True,
+                                 text=True)
+        assert applied.returncode == 0, applied.stderr
+    return directory
+
+
+def run_guide_command(command: str, copy, tiny_model, tiny_chat_model, data, *flags: str):
+    """One of the guide's commands, run in `copy` as a user would: two steps on the tiny model (with its chat
+    template for --prompt_template chat), on the question-answer data unless the command names data shipped in
+    examples/, then `flags`. Returns the training's output directory (None for generation)."""
+    words = shlex.split(command)
+    assert words[0] in ("python", "torchrun"), command
+    model = tiny_chat_model if "--prompt_template chat" in command else tiny_model
+    shipped_data = "--data_path" in words and (copy / words[words.index("--data_path") + 1]).exists()
+    data_flags = [] if shipped_data else ["--field_map", "question=instruction,answer=output", "--data_path", str(data)]
+    extra = ["--max_new_tokens", "4", "--instruction", "Name three primary colors."] if "generate.py" in command \
+        else ["--model_name_or_path", str(model), "--layers", "1;2", "--max_steps", "2", "--logging_steps", "1",
+              "--num_sample_answers", "0", *data_flags, *flags]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] \
+        if words[0] == "torchrun" else None
+    # One thread, as torchrun gives each of its workers: the kernels then sum in the same order, and what the
+    # python and torchrun runs compare is what 1 and 2 processes change (a thread count alone moves weights
+    # that Adam scales from near-zero gradients by up to 4e-6).
+    result = run_script([*words[1:], *extra], cwd=copy, launcher=launcher, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+    return copy / words[words.index("--output_dir") + 1] if "--output_dir" in words and "generate.py" not in command \
+        else None
+
+
 @pytest.mark.parametrize("title,diff,commands", guide_sections(), ids=[s[0] for s in guide_sections()])
 def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, tiny_model, tiny_chat_model,
                                                          question_answer_data, tmp_path):
-    """The documented diff applies to a fresh copy of the repository, and its commands run there (two steps on
-    the tiny model, with its chat template for --prompt_template chat; on the question-answer data unless the
-    command names data shipped in examples/); each torchrun command trains the model of the python command before it."""
-    copy = tmp_path / "copy"
-    ignored = shutil.ignore_patterns(".git", ".venv", "__pycache__", "output", "out_*", "wandb")
-    shutil.copytree(REPO, copy, ignore=ignored)
-    if diff is not None:
-        applied = subprocess.run(["git", "apply", "-C1", "-"], input=diff, cwd=copy, capture_output=True, text=True)
-        assert applied.returncode == 0, applied.stderr
+    """The documented diff applies to a fresh copy of the repository, and its commands run there
+    (`run_guide_command`); each torchrun command trains the model of the python command before it."""
+    copy = guide_copy(tmp_path / "copy", diff)
     data, _ = question_answer_data
-    outputs, arguments = {}, {}
+    outputs, commands_run = {}, {}
     for command in commands:
-        words = shlex.split(command)
-        assert words[0] in ("python", "torchrun"), command
-        model = tiny_chat_model if "--prompt_template chat" in command else tiny_model
-        shipped_data = "--data_path" in words and (copy / words[words.index("--data_path") + 1]).exists()
-        data_flags = [] if shipped_data else ["--field_map", "question=instruction,answer=output", "--data_path",
-                                              str(data)]
-        extra = ["--max_new_tokens", "4", "--instruction", "Name three primary colors."] if "generate.py" in command \
-            else ["--model_name_or_path", str(model), "--layers", "1;2", "--max_steps", "2", "--logging_steps", "1",
-                  "--num_sample_answers", "0", *data_flags]
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] \
-            if words[0] == "torchrun" else None
-        # One thread, as torchrun gives each of its workers: the kernels then sum in the same order, and what the
-        # python and torchrun runs compare is what 1 and 2 processes change (a thread count alone moves weights
-        # that Adam scales from near-zero gradients by up to 4e-6).
-        result = run_script([*words[1:], *extra], cwd=copy, launcher=launcher, env={"OMP_NUM_THREADS": "1"})
-        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
-        if "--output_dir" in words and "generate.py" not in command:
-            outputs[words[0]] = copy / words[words.index("--output_dir") + 1]
-            arguments[words[0]] = [*words[1:], *extra]
-        if words[0] == "torchrun":  # the adaptation trains one model on 1 and N processes
+        output_dir = run_guide_command(command, copy, tiny_model, tiny_chat_model, data)
+        if output_dir is not None:
+            outputs[shlex.split(command)[0]], commands_run[shlex.split(command)[0]] = output_dir, command
+        if command.startswith("torchrun"):  # the adaptation trains one model on 1 and N processes
             truth = copy / "truth"  # the python command in float64, in the adapted copy: see conftest.NOISE_MARGIN
-            result = run_script([*arguments["python"], "--dtype", "float64", "--output_dir", str(truth)], cwd=copy)
-            assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+            run_guide_command(commands_run["python"], copy, tiny_model, tiny_chat_model, data, "--dtype", "float64",
+                              "--output_dir", str(truth))
             assert_same_run(outputs["torchrun"], outputs["python"], truth_dir=truth)
             shutil.rmtree(truth)
+
+
+def test_the_l2_penalty_adds_its_written_strength_once_per_step(tiny_model, tiny_chat_model, question_answer_data,
+                                                                 tmp_path):
+    """(g): the first step's logged loss is the unchanged copy's plus λ·Σ‖θ₀‖² of the initial weights, λ as the
+    diff writes it, on 1 process (2 micro-batches) and on 2: not divided by the step's label tokens nor by its
+    micro-batches. At a learning rate of 1e-30 the saved interventions are the initial ones. In float64, so that
+    the sums agree to float64's rounding (conftest.FLOAT64_RTOL)."""
+    _, diff, commands = next(section for section in guide_sections() if section[0].startswith("(g)"))
+    strength = float(re.search(r"^\+L2_PENALTY = (\S+)", diff, re.M)[1])
+    copies = {"penalized": guide_copy(tmp_path / "penalized", diff),
+              "unchanged": guide_copy(tmp_path / "unchanged", None)}
+    data, _ = question_answer_data
+    for command in commands[:2]:  # python and torchrun
+        flags = ["--max_steps", "1", "--learning_rate", "1e-30", "--dtype", "float64"]
+        runs = {name: run_guide_command(command, copy, tiny_model, tiny_chat_model, data, *flags)
+                for name, copy in copies.items()}
+        initial = intervention_weights(runs["penalized"])
+        squared_norm = sum(tensor.double().pow(2).sum().item() for key, tensor in initial.items()
+                           if not key.endswith("/rotate_layer"))
+        added = logged_values(runs["penalized"])["loss"][1] - logged_values(runs["unchanged"])["loss"][1]
+        assert squared_norm > 0 and added == pytest.approx(strength * squared_norm, rel=FLOAT64_RTOL), command

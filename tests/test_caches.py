@@ -5,7 +5,7 @@ import json
 import multiprocessing
 
 import torch
-from conftest import assert_same_run, build_tiny_model, copy_as_killed, disk_map, run_in_process, write_records
+from conftest import build_tiny_model, copy_as_killed, disk_map, run_in_process, write_records
 
 import alpaca.data
 import alpaca.model
@@ -111,13 +111,13 @@ def test_a_damaged_converted_default_model_is_converted_again(tiny_data, tmp_pat
     assert not [path for path in converted.parent.iterdir() if path.name.startswith(".")]  # no staging left
 
 
-def test_a_default_model_converted_by_an_earlier_version_is_converted_again_and_its_checkpoints_resume(
+def test_a_default_model_converted_in_an_earlier_format_is_converted_again_and_its_checkpoints_refused(
         tiny_data, tmp_path, monkeypatch):
-    """Conversions before CONVERSION_VERSION 2 kept GGUF's quantization_config in config.json, with which transformers
-    refuses a device map with 'disk' for the default model. A run on such a directory leaves checkpoint-2; the next
-    run with the default model says in one line that the directory is from an earlier version, converts it again
-    (once: without the key, the weights the same) and resumes that checkpoint, with layers on disk, to the
-    uninterrupted run's weights and log exactly. The conversion is the real one (alpaca.model.convert_embedded_model)
+    """An earlier conversion kept GGUF's quantization_config in config.json (with which transformers refuses a device
+    map with 'disk' for the default model), in a directory of another name. A run on such a directory leaves
+    checkpoint-2. The next run with the default model does not read that directory: it converts the model into its
+    own (without the key, the weights the same) and refuses the checkpoint in one line naming the base model's
+    config; a new run trains with layers on disk. The conversion is the real one (alpaca.model.convert_embedded_model)
     but for its two GGUF reads, which load a tiny model as transformers' GGUF loader returns it (the key in its
     config)."""
     import transformers
@@ -130,33 +130,35 @@ def test_a_default_model_converted_by_an_earlier_version_is_converted_again_and_
             return original(gguf_like if kwargs.pop("gguf_file", None) else path, *args, **kwargs)
 
         monkeypatch.setattr(auto, "from_pretrained", from_pretrained)
-    converted = tmp_path / "cache" / "SmolLM2-135M-Instruct"
-    converted.mkdir(parents=True)
-    alpaca.model.convert_embedded_model(converted)  # then as version 1 left it: the key kept, no version recorded
-    (converted / "config.json").write_text(json.dumps({**json.loads((converted / "config.json").read_text()),
-                                                       "quantization_config": GGUF_KEY}))
-    write_manifest(converted)
-    assert directory_problem(converted) is None
-    weights = (converted / "model.safetensors").read_bytes()
+    earlier = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    earlier.mkdir(parents=True)
+    alpaca.model.convert_embedded_model(earlier)  # then as the earlier format left it: the key kept
+    (earlier / "config.json").write_text(json.dumps({**json.loads((earlier / "config.json").read_text()),
+                                                     "quantization_config": GGUF_KEY}))
+    write_manifest(earlier)
+    weights = (earlier / "model.safetensors").read_bytes()
 
     args = ["--data_path", tiny_data, "--cache_dir", tmp_path / "cache", "--layers", "1;2", "--max_steps", "4",
             "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size",
             "2", "--num_sample_answers", "0"]
-    with monkeypatch.context() as earlier:  # the earlier version's run: the directory used as it is
-        earlier.setattr(alpaca.model, "embedded_model_dir", lambda cache_dir=None: converted)
+    with monkeypatch.context() as earlier_run:  # a run on the earlier conversion
+        earlier_run.setattr(alpaca.model, "embedded_model_dir", lambda cache_dir=None: earlier)
         status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "old"])
     assert status == 0, stderr[-3000:]
     resumed = copy_as_killed(tmp_path / "old", tmp_path / "resumed", last_checkpoint=2)
     disk = ["--device_map", disk_map(), "--offload_folder", tmp_path / "offload"]
-    status, stdout, stderr = run_in_process("train.py", [*args, "--output_dir", resumed, *disk,
-                                                         "--resume_from_checkpoint", "auto"])
-    assert status == 0, stderr[-3000:]
-    assert (f"warning: the converted default model in {converted} is from version 1 of its builder, not 2; building "
-            "it again") in stderr.splitlines()
+    status, _, stderr = run_in_process("train.py", [*args, "--output_dir", resumed, *disk,
+                                                    "--resume_from_checkpoint", "auto"])
+    assert status == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "train.py: error: this run differs from the checkpoint in the base model's config (--model_name_or_path "
+        "'embedded:SmolLM2-135M-Instruct'). Resume with the data, model and flags the checkpoint was trained with "
+        "(its training_args.json), or train anew in another --output_dir")
+    converted = embedded_model_dir(str(tmp_path / "cache"))
+    assert converted != earlier and directory_problem(converted) is None
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
-    assert (converted / "model.safetensors").read_bytes() == weights and directory_problem(converted) is None
-    assert "disk: 2 modules" in stdout
-    assert_same_run(resumed, tmp_path / "old", exact=True)
-    status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "again", *disk])
-    assert status == 0 and "building it again" not in stderr, stderr[-3000:]  # converted once
+    assert (converted / "model.safetensors").read_bytes() == weights
+    status, stdout, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "new", *disk])
+    assert status == 0, stderr[-3000:]
+    assert "disk: 2 modules" in stdout and "building it again" not in stderr
 
