@@ -302,13 +302,17 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
 
 
+# bitsandbytes' quantization of the base, with the value of a checkpoint written before these flags existed (whose
+# base was not quantized).
+QUANTIZATION_FLAGS = {"load_in_4bit": False, "load_in_8bit": False, "bnb_4bit_quant_type": None,
+                      "bnb_4bit_use_double_quant": False}
 # The flags a checkpoint is bound to, besides those checked on their own (the global batch, --seed,
 # --prompt_template): each changes what a step computes. A resumed run that changed one would not be the run the
 # checkpoint belongs to; some would even be ignored without a word (the optimizer's and scheduler's states
 # restore the learning rate, weight decay and betas). The run's length (--max_steps, --num_train_epochs) may change.
 BOUND_FLAGS = ("model_max_length", "layers", "position", "share_weights", "intervention", "rank", "dropout",
                "group_by_length", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype")
+               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype", *QUANTIZATION_FLAGS)
 
 
 def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
@@ -342,7 +346,8 @@ def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespac
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
                 for part, hashes in same_model.items() if saved["model"][part] not in hashes]
     changes += [f"--{name} ({saved['flags'][name]} in the checkpoint, {value} in this run)"
-                for name, value in current["flags"].items() if saved["flags"].get(name, value) != value]
+                for name, value in current["flags"].items()
+                if saved["flags"].get(name, QUANTIZATION_FLAGS.get(name, value)) != value]
     if changes:
         raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
                          "model and flags the checkpoint was trained with (its training_args.json), or train "

@@ -1,4 +1,5 @@
-"""Every place these scripts work around pyvene 0.1.8 or pyreft 0.1.0 (the pinned versions), in one module.
+"""Every place these scripts work around pyvene 0.1.8, pyreft 0.1.0 or bitsandbytes 0.50 (the pinned versions), in
+one module.
 
 An upgrade of either re-checks each function below against the upstream behaviour its docstring names;
 tests/test_interventions.py, tests/test_fsdp.py and tests/test_families.py fail where one is no longer needed or
@@ -186,3 +187,13 @@ def register_layout(model) -> None:
     pyvene.type_to_module_mapping[model_class] = {component: (path, CONST_OUTPUT_HOOK)
                                                   for component, path in modules.items()}
     pyvene.type_to_dimension_mapping[model_class] = {component: (hidden_size,) for component in modules}
+
+
+def quiet_int8_input_casts() -> None:
+    """bitsandbytes 0.50 logs "MatMul8bitLt: inputs will be cast ... to float16" at every forward of every 8-bit
+    layer whose input is not float16 (thousands of lines a step). The cast is LLM.int8's own arithmetic
+    (docs/big-models.md says so once); only that message is dropped."""
+    import logging
+
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(
+        lambda record: not str(record.msg).startswith("MatMul8bitLt: inputs will be cast"))
