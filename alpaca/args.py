@@ -592,7 +592,7 @@ def validate_quantization(args: argparse.Namespace) -> None:
                                         or isinstance(args.device_map, dict) and "disk" in args.device_map.values()):
         raise UsageError(f"{quantized} with --device_map: bitsandbytes cannot offload quantized layers to disk; "
                          "place every module on a GPU or the CPU and drop --offload_folder (docs/big-models.md)")
-    if args.torch_compile:
+    if getattr(args, "torch_compile", False):  # generate.py has no such flag
         raise UsageError(f"--torch_compile is not yet tested with {quantized} (bitsandbytes' kernels); drop one "
                          "of them")
 

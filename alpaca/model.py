@@ -19,6 +19,7 @@ from alpaca.workarounds import (
     causal_attention_without_mask_checks,
     compute_in_float32,
     import_pyreft,
+    keep_4bit_layers_differentiable,
     keep_foreign_hooks,
     quiet_int8_input_casts,
     register_layout,
@@ -240,6 +241,8 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
         raise UsageError(f"bitsandbytes cannot quantize this base as placed: {str(error).splitlines()[0]}") from None
     if not quantized and device_map is None:
         model = model.to(device)
+    if quantized is not None and quantized.load_in_4bit:
+        keep_4bit_layers_differentiable(model)
     model.requires_grad_(False)
     model.eval()
     return model, tokenizer

@@ -197,3 +197,16 @@ def quiet_int8_input_casts() -> None:
 
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(
         lambda record: not str(record.msg).startswith("MatMul8bitLt: inputs will be cast"))
+
+
+def keep_4bit_layers_differentiable(model) -> None:
+    """bitsandbytes 0.50, on a CPU with AVX512-BF16, repacks a 4-bit layer's weight for its inference kernel at the
+    first forward it sees in eval mode without gradient (the frozen base is always in eval mode: evaluation, the
+    first layer's input), in place and for good; that kernel has no backward, so from then on the gradient through
+    the layer is wrong (torch warns "an autograd kernel was not registered"), and the forward's arithmetic
+    changes mid-run. Kept off: every forward takes bitsandbytes' differentiable path (dequantize, then matmul)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
