@@ -173,3 +173,28 @@ def test_generate_refuses_a_quantized_base_on_disk_in_one_line(tmp_path):
             "--load_in_8bit with --device_map: bitsandbytes cannot offload quantized layers to disk; place every "
             "module on a GPU or the CPU and drop --offload_folder (docs/big-models.md)")
 
+
+
+def test_a_forward_without_gradient_leaves_the_4bit_layers_differentiable(tiny_model):
+    """An evaluation (eval mode, no gradient) between two training steps: the interventions' gradients through the
+    4-bit layers above them are the same after it as before (bitsandbytes would otherwise switch those layers, on
+    CPUs with AVX512-BF16, to a kernel without a backward: alpaca.workarounds.keep_4bit_layers_differentiable)."""
+    from alpaca.model import build_reft_model
+
+    model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"),
+                               quantization={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
+    torch.manual_seed(0)
+    reft_model = build_reft_model(model, "1", (1, 1), False, rank=4)
+    ids = torch.randint(0, 300, (2, 12))
+    locations = {"sources->base": (None, [[[0], [0]], [[11], [11]]])}
+
+    def gradients():
+        reft_model.interventions.zero_grad()
+        _, outputs = reft_model({"input_ids": ids}, unit_locations=locations)
+        outputs.logits.logsumexp(-1).sum().backward()
+        return [parameter.grad.clone() for parameter in reft_model.interventions.parameters()]
+
+    before = gradients()
+    with torch.no_grad():
+        reft_model({"input_ids": ids}, unit_locations=locations)
+    assert all(torch.equal(a, b) for a, b in zip(gradients(), before, strict=True)) and before
