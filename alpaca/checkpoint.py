@@ -345,9 +345,10 @@ def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespac
         same_model["config"] |= earlier_config_hashes(args.model_name_or_path, args.cache_dir)
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
                 for part, hashes in same_model.items() if saved["model"][part] not in hashes]
-    changes += [f"--{name} ({saved['flags'][name]} in the checkpoint, {value} in this run)"
-                for name, value in current["flags"].items()
-                if saved["flags"].get(name, QUANTIZATION_FLAGS.get(name, value)) != value]
+    # a checkpoint from before the quantization flags: unquantized; from before another flag: as this run
+    saved_flags = {**QUANTIZATION_FLAGS, **saved["flags"]}
+    changes += [f"--{name} ({saved_flags[name]} in the checkpoint, {value} in this run)"
+                for name, value in current["flags"].items() if saved_flags.get(name, value) != value]
     if changes:
         raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
                          "model and flags the checkpoint was trained with (its training_args.json), or train "

@@ -21,7 +21,7 @@ from alpaca.workarounds import (
     import_pyreft,
     keep_4bit_layers_differentiable,
     keep_foreign_hooks,
-    quiet_int8_input_casts,
+    quiet_bitsandbytes_logs,
     register_layout,
     scatter_on_device,
     set_train_mode,
@@ -202,8 +202,7 @@ def quantization_config(quantization: dict | None, dtype: torch.dtype, device_ma
         return None
     from transformers import BitsAndBytesConfig
 
-    if quantization.get("load_in_8bit"):
-        quiet_int8_input_casts()
+    quiet_bitsandbytes_logs()  # before transformers imports bitsandbytes
     offload = device_map is not None and torch.cuda.is_available()
     return BitsAndBytesConfig(**quantization, bnb_4bit_compute_dtype=dtype, llm_int8_enable_fp32_cpu_offload=offload)
 

@@ -189,14 +189,21 @@ def register_layout(model) -> None:
     pyvene.type_to_dimension_mapping[model_class] = {component: (hidden_size,) for component in modules}
 
 
-def quiet_int8_input_casts() -> None:
-    """bitsandbytes 0.50 logs "MatMul8bitLt: inputs will be cast ... to float16" at every forward of every 8-bit
-    layer whose input is not float16 (thousands of lines a step). The cast is LLM.int8's own arithmetic
-    (docs/big-models.md says so once); only that message is dropped."""
+def quiet_bitsandbytes_logs() -> None:
+    """Two warnings of bitsandbytes 0.50 that say nothing to act on, dropped (only they): "MatMul8bitLt: inputs will
+    be cast ... to float16", logged at every forward of every 8-bit layer whose input is not float16 (thousands of
+    lines a step; the cast is LLM.int8's own arithmetic, docs/big-models.md says so once), and, on CPUs with
+    AVX512-BF16, "Failed to load CPU gemm_4bit_forward from kernels-community" at import, which asks for a
+    package that downloads a kernel from the hub, for the inference kernel training never runs
+    (`keep_4bit_layers_differentiable`)."""
     import logging
 
-    logging.getLogger("bitsandbytes.autograd._functions").addFilter(
-        lambda record: not str(record.msg).startswith("MatMul8bitLt: inputs will be cast"))
+    for logger in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
+        logging.getLogger(logger).addFilter(_not_bitsandbytes_noise)  # once: a filter already there is not added
+
+
+def _not_bitsandbytes_noise(record) -> bool:
+    return not str(record.msg).startswith(("MatMul8bitLt: inputs will be cast", "Failed to load CPU gemm_4bit_forward"))
 
 
 def keep_4bit_layers_differentiable(model) -> None:

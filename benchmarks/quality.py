@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data_path", default=str(SHARED_DATA))
     parser.add_argument("--train_examples", type=int, default=256, help="the first N records train")
     parser.add_argument("--eval_examples", type=int, default=48, help="the last N records are held out")
-    parser.add_argument("--max_steps", type=int, default=24)
+    parser.add_argument("--max_steps", type=int, default=16)
     parser.add_argument("--per_device_train_batch_size", type=int, default=4)
     parser.add_argument("--model_max_length", type=int, default=256)
     parser.add_argument("--layers", default="8;19")

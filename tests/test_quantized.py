@@ -73,6 +73,30 @@ def test_a_resume_on_a_4bit_base_is_bit_identical_and_bound_to_the_quantization(
     assert_same_run(resumed, qreft_runs / "single", exact=True)
 
 
+def test_a_checkpoint_from_before_the_quantization_flags_counts_as_unquantized(qreft_runs, tiny_model, tiny_data,
+                                                                              tmp_path):
+    """A checkpoint whose flags lack the quantization ones (written before they existed) was trained on an
+    unquantized base: resuming it with --load_in_4bit is refused. (The NF4 run's checkpoint, its quantization
+    flags stripped and its manifest updated to match.)"""
+    from alpaca.manifest import MANIFEST, sha256
+
+    copy_as_killed(qreft_runs / "single", tmp_path, last_checkpoint=4)
+    state_file, manifest_file = tmp_path / "checkpoint-4" / "trainer_state.json", tmp_path / "checkpoint-4" / MANIFEST
+    state = json.loads(state_file.read_text())
+    for name in ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant"):
+        del state["fingerprint"]["flags"][name]
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"]["trainer_state.json"] = {"bytes": state_file.stat().st_size, "sha256": sha256(state_file)}
+    manifest_file.write_text(json.dumps(manifest))
+    status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *NF4,
+                                                         "--gradient_accumulation_steps", "4",
+                                                         "--resume_from_checkpoint", "auto"))
+    assert status == 2
+    assert ("this run differs from the checkpoint in --load_in_4bit (False in the checkpoint, True in this run); "
+            "--bnb_4bit_quant_type (None in the checkpoint, nf4 in this run).") in stderr
+
+
 def test_the_output_loads_onto_the_quantized_and_the_full_precision_base(qreft_runs, tiny_model):
     """The saved arguments name the quantization; examples/generate.py answers with the interventions on the 4-bit
     base and on the float32 one, and pyreft's own loader reads them onto either."""
