@@ -102,13 +102,14 @@ def early_layers_on_disk(model_dir: Path, first_intervened: int) -> str:
 
 def bytes_per_quantized_parameter(model_dir: Path, strategy: str) -> float:
     """What bitsandbytes holds per parameter of the linear layers it quantizes (values and constants)."""
-    import bitsandbytes as bnb
     import torch
 
     from alpaca.model import load_base_model
     from alpaca.strategy import local_parameter_bytes
 
     model, _ = load_base_model(str(model_dir), torch.float32, torch.device("cpu"), quantization=QUANTIZED[strategy])
+    import bitsandbytes as bnb  # once it has loaded, which quiets bitsandbytes' import-time warning
+
     quantized = [module for module in model.modules() if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
     return (sum(local_parameter_bytes(module) for module in quantized)
             / sum(module.in_features * module.out_features for module in quantized))
