@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from alpaca.deepspeed_config import load_config
+from alpaca.deepspeed_config import load_config, stage
 from alpaca.errors import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +50,9 @@ COMPONENTS = {
 VARLEN_ATTENTION = "sdpa_varlen"
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
                              VARLEN_ATTENTION)
+
+# --bnb_4bit_quant_type: bitsandbytes' 4-bit data types (BitsAndBytesConfig's names).
+QUANT_TYPES = ("nf4", "fp4")
 
 # --device_map's named strategies: transformers' (accelerate's `infer_auto_device_map` under each).
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -201,6 +204,19 @@ def add_device_map_flags(group, note: str = "") -> None:
                        help="with --device_map: where modules placed on 'disk' are stored")
 
 
+def add_quantization_flags(group) -> None:
+    """bitsandbytes' quantization of the frozen base as it loads, by transformers' BitsAndBytesConfig names; the
+    compute dtype is --dtype's. For training and generation."""
+    group.add_argument("--load_in_4bit", type=str2bool, nargs="?", const=True, default=False,
+                       help="load the frozen base quantized to 4 bits by bitsandbytes (QReFT; docs/big-models.md)")
+    group.add_argument("--load_in_8bit", type=str2bool, nargs="?", const=True, default=False,
+                       help="load the frozen base quantized to 8 bits by bitsandbytes (LLM.int8)")
+    group.add_argument("--bnb_4bit_quant_type", default=None, choices=QUANT_TYPES,
+                       help="with --load_in_4bit, the 4-bit data type; default nf4")
+    group.add_argument("--bnb_4bit_use_double_quant", type=str2bool, nargs="?", const=True, default=False,
+                       help="with --load_in_4bit, quantize the quantization constants too (~0.4 bit a parameter less)")
+
+
 def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     parser = UsageParser(
         prog=prog,
@@ -222,6 +238,7 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--bf16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype bfloat16")
     flag("--fp16", type=str2bool, nargs="?", const=True, default=False, help="same as --dtype float16")
     add_device_map_flags(group, "; under torchrun each process places it on its own group of the node's GPUs")
+    add_quantization_flags(group)
 
     group = parser.add_argument_group("data")
     flag = group.add_argument
@@ -403,11 +420,12 @@ def validate(args: argparse.Namespace) -> None:
     if fsdp_words - FSDP_WORDS:
         raise UsageError(f"--fsdp {args.fsdp!r}: unknown option {sorted(fsdp_words - FSDP_WORDS)[0]!r}; use "
                          f"--fsdp alone, or any of {', '.join(sorted(FSDP_WORDS))}")
-    validate_device_map(args)
     if getattr(args, "deepspeed", None):
         if args.fsdp:
             raise UsageError("--fsdp and --deepspeed are exclusive; pick one")
         args.deepspeed_config = load_config(args, int(os.environ.get("WORLD_SIZE", 1)))
+    validate_quantization(args)
+    validate_device_map(args)
     validate_packing(args)
     if args.attn_implementation == VARLEN_ATTENTION and not args.packing:
         raise UsageError(f"--attn_implementation {VARLEN_ATTENTION} only changes how packs attend; add --packing, or "
@@ -531,6 +549,53 @@ def validate_device_map(args: argparse.Namespace) -> None:
                          "places every module itself: drop --max_memory")
     if isinstance(args.device_map, dict) and "disk" in args.device_map.values() and not args.offload_folder:
         raise UsageError("--device_map puts modules on 'disk': add --offload_folder DIR, where they are stored")
+
+
+def quantization_flag(args: argparse.Namespace) -> str | None:
+    """The flag that quantizes the base, if one does."""
+    return "--load_in_4bit" if args.load_in_4bit else "--load_in_8bit" if args.load_in_8bit else None
+
+
+def quantization_settings(args: argparse.Namespace) -> dict | None:
+    """BitsAndBytesConfig's arguments of the quantization flags (the compute dtype added where the model loads),
+    or None for a base in --dtype."""
+    if args.load_in_4bit:
+        return {"load_in_4bit": True, "bnb_4bit_quant_type": args.bnb_4bit_quant_type,
+                "bnb_4bit_use_double_quant": args.bnb_4bit_use_double_quant}
+    return {"load_in_8bit": True} if args.load_in_8bit else None
+
+
+def validate_quantization(args: argparse.Namespace) -> None:
+    """What a bitsandbytes-quantized base combines with (docs/big-models.md says why each refusal): the 4-bit
+    options resolved (nf4 by default) and refused without --load_in_4bit, so that a run's saved flags say exactly
+    how its base was quantized."""
+    quantized = quantization_flag(args)
+    if args.load_in_4bit and args.load_in_8bit:
+        raise UsageError("--load_in_4bit and --load_in_8bit are exclusive; pick one")
+    given_4bit_option = next((f"--{name}" for name in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+                              if getattr(args, name)), None)
+    if given_4bit_option and not args.load_in_4bit:
+        raise UsageError(f"{given_4bit_option} sets how --load_in_4bit quantizes the base; add --load_in_4bit, or "
+                         "drop it")
+    if args.load_in_4bit and args.bnb_4bit_quant_type is None:
+        args.bnb_4bit_quant_type = "nf4"
+    if not quantized:
+        return
+    if getattr(args, "fsdp", ""):
+        raise UsageError(f"{quantized} and --fsdp do not combine: FSDP2 shards plain tensors and would drop "
+                         "bitsandbytes' quantization state; use DDP (each rank its own quantized copy), "
+                         "--device_map, or --fsdp on an unquantized base (docs/big-models.md)")
+    if getattr(args, "deepspeed", None) and stage(args.deepspeed_config) == 3:
+        raise UsageError(f"{quantized} and ZeRO-3 do not combine: ZeRO-3 partitions the base's weights, which "
+                         "bitsandbytes keeps quantized as whole tensors; use ZeRO-1/2 (examples/deepspeed/zero2.json) "
+                         "or DDP (docs/big-models.md)")
+    if args.device_map is not None and (args.offload_folder is not None
+                                        or isinstance(args.device_map, dict) and "disk" in args.device_map.values()):
+        raise UsageError(f"{quantized} with --device_map: bitsandbytes cannot offload quantized layers to disk; "
+                         "place every module on a GPU or the CPU and drop --offload_folder (docs/big-models.md)")
+    if getattr(args, "torch_compile", False):  # generate.py has no such flag
+        raise UsageError(f"--torch_compile is not yet tested with {quantized} (bitsandbytes' kernels); drop one "
+                         "of them")
 
 
 def check_data_path(flag: str, path: str) -> None:

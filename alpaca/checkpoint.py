@@ -289,13 +289,15 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
 
 
+# bitsandbytes' quantization of the base
+QUANTIZATION_FLAGS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
 # The flags a checkpoint is bound to, besides those checked on their own (the global batch, --seed,
 # --prompt_template): each changes what a step computes. A resumed run that changed one would not be the run the
 # checkpoint belongs to; some would even be ignored without a word (the optimizer's and scheduler's states
 # restore the learning rate, weight decay and betas). The run's length (--max_steps, --num_train_epochs) may change.
 BOUND_FLAGS = ("model_max_length", "layers", "position", "share_weights", "intervention", "rank", "dropout",
                "group_by_length", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype")
+               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype", *QUANTIZATION_FLAGS)
 
 
 def training_fingerprint(args: argparse.Namespace, records, model) -> dict:

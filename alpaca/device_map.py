@@ -79,7 +79,8 @@ class DeviceMap:
 
     def describe(self, model) -> str:
         """Where the base's modules are, e.g. 'cpu: 9 modules, disk: 2 modules'."""
-        placed = list(model.hf_device_map.values())
+        # transformers dispatches (and records hf_device_map) only a model it spreads over several devices
+        placed = list(getattr(model, "hf_device_map", {"": model.device}).values())
         devices = sorted({str(device) for device in placed})
         return ", ".join(f"{device}: {sum(str(d) == device for d in placed)} modules" for device in devices)
 

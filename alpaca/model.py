@@ -19,7 +19,9 @@ from alpaca.workarounds import (
     causal_attention_without_mask_checks,
     compute_in_float32,
     import_pyreft,
+    keep_4bit_layers_differentiable,
     keep_foreign_hooks,
+    quiet_bitsandbytes_logs,
     register_layout,
     scatter_on_device,
     set_train_mode,
@@ -171,12 +173,28 @@ def check_model(args) -> str:
     return path
 
 
+def quantization_config(quantization: dict | None, dtype: torch.dtype, device_map=None):
+    """transformers' BitsAndBytesConfig for `quantization` (alpaca.args.quantization_settings), computing in
+    `dtype`, or None. Under a device map on GPUs, the modules it puts on the CPU stay unquantized (float32, in
+    transformers' option's name): bitsandbytes computes a module where it is quantized, which accelerate's
+    offloading does not keep."""
+    if not quantization:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    quiet_bitsandbytes_logs()  # before transformers imports bitsandbytes
+    offload = device_map is not None and torch.cuda.is_available()
+    return BitsAndBytesConfig(**quantization, bnb_4bit_compute_dtype=dtype, llm_int8_enable_fp32_cpu_offload=offload)
+
+
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
-                    reader: str = "--fsdp", device_map=None):
+                    reader: str = "--fsdp", device_map=None, quantization: dict | None = None):
     """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set).
     On the meta device the weights are not read: `reader` fills each rank's part later (--fsdp:
     `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.deepspeed.partition_base`). With a `device_map`
-    (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`."""
+    (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`. With `quantization`
+    (alpaca.args.quantization_settings) bitsandbytes quantizes its linear layers as they load, in place: on
+    `device`, or where the map puts them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_name_or_path, cache_dir)
@@ -187,11 +205,23 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
     if device.type == "meta":
         return empty_base_model(path, dtype, cache_dir, reader), tokenizer
+    quantized = quantization_config(quantization, dtype, device_map)
     if device_map is not None:
+        placement = device_map.from_pretrained_kwargs(path, dtype, cache_dir)
+    else:  # quantized where it computes: a bitsandbytes model is not moved after loading
+        placement = {"device_map": {"": device}} if quantized else {}
+    try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir,
-                                                     **device_map.from_pretrained_kwargs(path, dtype, cache_dir))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, cache_dir=cache_dir).to(device)
+                                                     quantization_config=quantized, **placement)
+    except ValueError as error:
+        if quantized is None:
+            raise
+        # transformers' bitsandbytes quantizer refuses placements it cannot serve (e.g. disk) as a ValueError
+        raise UsageError(f"bitsandbytes cannot quantize this base as placed: {str(error).splitlines()[0]}") from None
+    if not quantized and device_map is None:
+        model = model.to(device)
+    if quantized is not None and quantized.load_in_4bit:
+        keep_4bit_layers_differentiable(model)
     model.requires_grad_(False)
     model.eval()
     return model, tokenizer
@@ -257,9 +287,20 @@ def new_intervention(intervention_class, hidden_size: int, rank: int, base_dtype
 def describe(reft_model, num_examples: int, device) -> str:
     """Data, trainable and base sizes: read before a strategy partitions the parameters."""
     trainable = sum(p.numel() for _, p in intervention_parameters(reft_model))
-    base = sum(p.numel() for p in reft_model.model.parameters())
+    base = reft_model.model.num_parameters()  # a 4-bit tensor's parameters, not its bytes (2 to a byte)
     return (f"{num_examples} examples | {trainable:,} trainable parameters in {len(reft_model.interventions)} "
-            f"interventions | base model {base:,} parameters ({reft_model.model.dtype}) on {device}")
+            f"interventions | base model {base:,} parameters ({describe_precision(reft_model.model)}) on {device}")
+
+
+def describe_precision(model) -> str:
+    """'torch.bfloat16', or for a bitsandbytes base e.g. '4-bit nf4, computing in torch.bfloat16'."""
+    config = getattr(model.config, "quantization_config", None)
+    if config is None:
+        return str(model.dtype)
+    config = config if isinstance(config, dict) else config.to_dict()
+    kind = (f"4-bit {config['bnb_4bit_quant_type']}" + (" double-quantized" if config["bnb_4bit_use_double_quant"]
+                                                        else "") if config.get("load_in_4bit") else "8-bit")
+    return f"{kind}, computing in {model.dtype}"
 
 
 def num_intervened_layers(reft_model, position: tuple[int, int], share_weights: bool) -> int:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from alpaca import deepspeed as zero
+from alpaca.args import quantization_settings
 from alpaca.device_map import DeviceMap
 from alpaca.errors import UsageError
 from alpaca.model import decoder_layers, intervention_parameters, load_base_model
@@ -40,11 +41,14 @@ class Strategy:
     layout = "replicated"  # the start line: how the base is held
     shards_base = False  # a sharded base answers only when every rank runs each forward (eval, sample answers)
 
-    def __init__(self, device: torch.device, max_grad_norm: float, device_map: DeviceMap | None = None) -> None:
+    def __init__(self, device: torch.device, max_grad_norm: float, device_map: DeviceMap | None = None,
+                 quantization: dict | None = None) -> None:
         self.device, self.max_grad_norm, self.device_map = device, max_grad_norm, device_map
+        self.quantization = quantization  # bitsandbytes' (alpaca.args.quantization_settings): each process its copy
 
     def load_base(self, model_path: str, dtype: torch.dtype, cache_dir: str | None):
-        model, tokenizer = load_base_model(model_path, dtype, self.device, cache_dir, device_map=self.device_map)
+        model, tokenizer = load_base_model(model_path, dtype, self.device, cache_dir, device_map=self.device_map,
+                                           quantization=self.quantization)
         if self.device_map is not None:
             self.placed = f"--device_map ({self.device_map.describe(model)})"
             self.layout = f"{self.layout}, on each rank by {self.placed}"
@@ -161,9 +165,9 @@ class ZeRO(Strategy):
     device and each rank reads only its partitions (`partition_base`), as under FSDP."""
 
     def __init__(self, config: dict, path: str, device: torch.device, max_grad_norm: float,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quantization: dict | None = None) -> None:
         zero.check_for_device(config, path, device, dtype)
-        super().__init__(device, max_grad_norm)
+        super().__init__(device, max_grad_norm, quantization=quantization)  # ZeRO-1/2 only (alpaca.args)
         self.config = config
         self.shards_base = zero.stage(config) == 3
         self.layout = f"{'sharded' if self.shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(config)})"
@@ -267,7 +271,8 @@ def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> No
 
 def local_parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
-    partitions), none of those a device map keeps on disk (on the meta device between forwards), the rest whole."""
+    partitions), none of those a device map keeps on disk (on the meta device between forwards), the rest whole;
+    a bitsandbytes weight with its quantization constants."""
     from torch.distributed.tensor import DTensor
 
     def held(parameter: torch.Tensor) -> int:
@@ -275,19 +280,32 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
             return parameter.to_local().nbytes
         # ZeRO-3: the partition, plus the whole tensor while it is gathered (between forwards, only small
         # parameters below stage3_param_persistence_threshold stay whole)
-        return parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
+        return (parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
+                + quantization_constant_bytes(parameter))
 
     return sum(held(parameter) for parameter in module.parameters() if parameter.device.type != "meta")
+
+
+def quantization_constant_bytes(parameter: torch.Tensor) -> int:
+    """What a bitsandbytes weight keeps beside its quantized values: a 4-bit one's QuantState (a scale per block
+    of 64 values, and with double quantization their own scales), an 8-bit one's scale per row (SCB)."""
+    state = getattr(parameter, "quant_state", None)
+    if state is not None:
+        return sum(value.nbytes for value in state.as_dict(packed=True).values() if isinstance(value, torch.Tensor))
+    scales = getattr(parameter, "SCB", None)
+    return scales.nbytes if isinstance(scales, torch.Tensor) else 0
 
 
 def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[int],
                     distributed: bool = True) -> Strategy:
     """--deepspeed, --fsdp or DDP, from the flags, DDP with --device_map over this process's `gpus` or not; one
-    process (train.py, not `distributed`): the plain strategy. Refused combinations were refused while parsing."""
+    process (train.py, not `distributed`): the plain strategy. Refused combinations were refused while parsing,
+    the bitsandbytes quantization of the base among them (--fsdp, ZeRO-3)."""
+    quantization = quantization_settings(args)
     if getattr(args, "deepspeed", None):
-        return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype)
+        return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype, quantization)
     if getattr(args, "fsdp", None):
         return FSDP(device, args.max_grad_norm, offload="offload" in args.fsdp.split())
     device_map = (None if args.device_map is None
                   else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
-    return (DDP if distributed else Strategy)(device, args.max_grad_norm, device_map)
+    return (DDP if distributed else Strategy)(device, args.max_grad_norm, device_map, quantization)

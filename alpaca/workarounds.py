@@ -1,4 +1,5 @@
-"""Every place these scripts work around pyvene 0.1.8 or pyreft 0.1.0 (the pinned versions), in one module.
+"""Every place these scripts work around pyvene 0.1.8, pyreft 0.1.0 or bitsandbytes 0.50 (the pinned versions), in
+one module.
 
 An upgrade of either re-checks each function below against the upstream behaviour its docstring names;
 tests/test_interventions.py, tests/test_fsdp.py and tests/test_families.py fail where one is no longer needed or
@@ -186,3 +187,33 @@ def register_layout(model) -> None:
     pyvene.type_to_module_mapping[model_class] = {component: (path, CONST_OUTPUT_HOOK)
                                                   for component, path in modules.items()}
     pyvene.type_to_dimension_mapping[model_class] = {component: (hidden_size,) for component in modules}
+
+
+def quiet_bitsandbytes_logs() -> None:
+    """Two warnings of bitsandbytes 0.50 that say nothing to act on, dropped (only they): "MatMul8bitLt: inputs will
+    be cast ... to float16", logged at every forward of every 8-bit layer whose input is not float16 (thousands of
+    lines a step; the cast is LLM.int8's own arithmetic, docs/big-models.md says so once), and, on CPUs with
+    AVX512-BF16, "Failed to load CPU gemm_4bit_forward from kernels-community" at import, which asks for a
+    package that downloads a kernel from the hub, for the inference kernel training never runs
+    (`keep_4bit_layers_differentiable`)."""
+    import logging
+
+    for logger in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
+        logging.getLogger(logger).addFilter(_not_bitsandbytes_noise)  # once: a filter already there is not added
+
+
+def _not_bitsandbytes_noise(record) -> bool:
+    return not str(record.msg).startswith(("MatMul8bitLt: inputs will be cast", "Failed to load CPU gemm_4bit_forward"))
+
+
+def keep_4bit_layers_differentiable(model) -> None:
+    """bitsandbytes 0.50, on a CPU with AVX512-BF16, repacks a 4-bit layer's weight for its inference kernel at the
+    first forward it sees in eval mode without gradient (the frozen base is always in eval mode: evaluation, the
+    first layer's input), in place and for good; that kernel has no backward, so from then on the gradient through
+    the layer is wrong (torch warns "an autograd kernel was not registered"), and the forward's arithmetic
+    changes mid-run. Kept off: every forward takes bitsandbytes' differentiable path (dequantize, then matmul)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False

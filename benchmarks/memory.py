@@ -1,9 +1,11 @@
-"""Host memory per rank: DDP, --fsdp, --deepspeed ZeRO-2 and ZeRO-3, and DDP with half the base offloaded to disk
-by --device_map ("disk"), on 1, 2 and 4 processes (CPU, gloo).
+"""Host memory per rank: DDP, --fsdp, --deepspeed ZeRO-2 and ZeRO-3, DDP with half the base offloaded to disk
+by --device_map ("disk"), and DDP on a bf16 base or a bitsandbytes-quantized one (QReFT: "nf4", "int8"), on 1, 2 and
+4 processes (CPU, gloo).
 
     python benchmarks/memory.py                                   # SmolLM2 and a random 0.49B model, all
     python benchmarks/memory.py --models smollm2 --nproc 2 --strategies ddp fsdp
     python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp disk
+    python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp bf16 nf4 int8 --steps 8
 
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
 runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
@@ -11,6 +13,8 @@ file pages it maps, such as a memory-mapped checkpoint) and the peak of RssAnon 
 "params" is the base-model parameter bytes the rank holds (its shards under --fsdp, its partitions under
 ZeRO-3). Every figure is also given as a ratio to one model copy, the base's parameter bytes in the
 training dtype. Parameter bytes are not process memory: the RSS figures are what decides whether a job fits on a host.
+A quantized base's "params" count each quantized weight with its quantization constants; with --strategies nf4 or
+int8 the bytes per quantized parameter (of the quantized linear layers alone) are printed too.
 
 The random model is saved in bfloat16 and trained in float32, as a bf16 hub checkpoint trained in another
 dtype would be: without sharded loading, every rank then holds a full private float32 copy.
@@ -37,7 +41,10 @@ STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
               "zero3": ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero3.json")],
               # --device_map auto with CPU memory for half a copy (--max_memory, in `measure`): the last layers on
               # disk; "disk_early": the layers before the first intervened one on disk (a JSON map, in `measure`)
-              "disk": ["--device_map", "auto"], "disk_early": []}
+              "disk": ["--device_map", "auto"], "disk_early": [],
+              # DDP on a bf16 base; on a base bitsandbytes quantizes as it loads (computing in float32, as the others)
+              "bf16": ["--dtype", "bfloat16"], "nf4": ["--load_in_4bit"], "int8": ["--load_in_8bit"]}
+QUANTIZED = {"nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "int8": {"load_in_8bit": True}}
 # hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
 # in float32
 RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
@@ -91,6 +98,21 @@ def early_layers_on_disk(model_dir: Path, first_intervened: int) -> str:
               for i in range(config["num_hidden_layers"])}
     return json.dumps({"model.embed_tokens": "cpu", **placed, "model.norm": "cpu", "model.rotary_emb": "cpu",
                        "lm_head": "cpu"})
+
+
+def bytes_per_quantized_parameter(model_dir: Path, strategy: str) -> float:
+    """What bitsandbytes holds per parameter of the linear layers it quantizes (values and constants)."""
+    import torch
+
+    from alpaca.model import load_base_model
+    from alpaca.strategy import local_parameter_bytes
+
+    model, _ = load_base_model(str(model_dir), torch.float32, torch.device("cpu"), quantization=QUANTIZED[strategy])
+    import bitsandbytes as bnb  # once it has loaded, which quiets bitsandbytes' import-time warning
+
+    quantized = [module for module in model.modules() if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
+    return (sum(local_parameter_bytes(module) for module in quantized)
+            / sum(module.in_features * module.out_features for module in quantized))
 
 
 def status_kib(pid: int) -> dict[str, int]:
@@ -191,6 +213,9 @@ def main() -> None:
                     print(f"{nproc:>9} {strategy:>8} | {cells('hwm'):>34} | {cells('anon'):>34} | "
                           f"{cells('params'):>28} | {rates}", flush=True)
                     rows.append(dict(model=model_name, nproc=nproc, strategy=strategy, one_copy=copy, ranks=ranks))
+            for strategy in [name for name in QUANTIZED if name in args.strategies]:
+                print(f"{strategy}: {bytes_per_quantized_parameter(model_dir, strategy):.4f} bytes per quantized "
+                      "parameter", flush=True)
         print("\n" + json.dumps(rows))
 
 

@@ -5,11 +5,14 @@
     python examples/generate.py --reft_dir single_gpu_run --compare multi_gpu_run --instructions_file prompts.txt
     python examples/generate.py --reft_dir chat_run --conversations_file chats.jsonl   # --prompt_template chat runs
     python examples/generate.py --reft_dir big_run --device_map auto --offload_folder offload   # a base > one GPU
+    python examples/generate.py --reft_dir qreft_run --load_in_4bit     # on a 4-bit base, as it trained (QReFT)
 
 The base model (unless given), the intervention positions and the prompt template come from the run's
 training_args.json. Greedy decoding; the interventions act on the prompt's positions, as in training.
 --device_map, --max_memory and --offload_folder place the base as in training (over every visible GPU, the CPU
 and disk; docs/big-models.md), each intervention on its layer's device; the answers are those of one device.
+--load_in_4bit and --load_in_8bit quantize the base as it loads (bitsandbytes), as training's flags do: a run
+trained on a quantized base answers on it, or on the full-precision base without them, and so does any other.
 """
 
 import argparse
@@ -22,9 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from alpaca.args import (  # noqa: E402
     UsageParser,
     add_device_map_flags,
+    add_quantization_flags,
     exit_on_usage_error,
     parse_position,
+    quantization_settings,
     validate_device_map,
+    validate_quantization,
 )
 from alpaca.errors import UsageError  # noqa: E402
 
@@ -44,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max_new_tokens", type=int, default=96)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_device_map_flags(parser.add_argument_group("placement, for a base one device cannot hold (as in training)"))
+    add_quantization_flags(parser.add_argument_group("quantization of the base (as in training)"))
     return parser.parse_args(argv)
 
 
@@ -68,6 +75,7 @@ def read_conversations(path: str) -> list[list[dict]]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
+        validate_quantization(args)
         validate_device_map(args)
         generate(args)
     except UsageError as error:
@@ -96,7 +104,8 @@ def generate(args: argparse.Namespace) -> None:
     device_map = (None if args.device_map is None
                   else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
     model, tokenizer = load_base_model(args.model_name_or_path or settings[0]["model_name_or_path"],
-                                       resolve_dtype(args.dtype, device), device, device_map=device_map)
+                                       resolve_dtype(args.dtype, device), device, device_map=device_map,
+                                       quantization=quantization_settings(args))
     if device_map is not None:
         print(f"Base model on --device_map ({device_map.describe(model)})")
     answers = []

@@ -1,0 +1,224 @@
+"""A bitsandbytes-quantized frozen base (QReFT: --load_in_4bit, --load_in_8bit). On the same 4-bit base one process,
+two DDP ranks (with --gradient_checkpointing) and two ZeRO-2 ranks train the same model; an 8-bit base trains packed
+under a device map; a resume is bit-identical and bound to the quantization; the output loads onto the quantized and
+the full-precision base (ours, examples/generate.py, pyreft's loader); what cannot combine with a quantized base is
+refused in one line before any weight loads."""
+
+import json
+
+import pytest
+import torch
+from conftest import (
+    REPO,
+    assert_same_run,
+    copy_as_killed,
+    disk_map,
+    flags,
+    intervention_weights,
+    one_thread,
+    run_in_process,
+    torchrun,
+)
+
+from alpaca.model import load_base_model
+from alpaca.strategy import local_parameter_bytes
+
+NF4 = ["--load_in_4bit", "--dropout", "0"]  # FLAGS' dropout off: its streams differ between 1 and 2 processes
+
+
+@pytest.fixture(scope="session")
+def qreft_runs(tiny_model, tiny_data, tmp_path_factory):
+    """On the tiny model's NF4 base, global batch 8 (FLAGS: 9 steps, checkpoints every 2, evaluation): one process
+    (x 4 accumulation, one thread as torchrun's workers), two DDP ranks (x 2) with --gradient_checkpointing,
+    and two ZeRO-2 ranks (x 2)."""
+    root = tmp_path_factory.mktemp("qreft")
+    with one_thread():
+        status, stdout, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, root / "single", *NF4,
+                                                                  "--gradient_accumulation_steps", "4"))
+    assert status == 0, stderr[-3000:]
+    assert "(4-bit nf4, computing in torch.float32)" in stdout
+    for name, extra in (("ddp", ["--gradient_checkpointing"]),
+                        ("zero2", ["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")])):
+        result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, root / name, *NF4,
+                                                          "--gradient_accumulation_steps", "2", *extra)])
+        assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def test_one_process_ddp_and_zero2_train_the_same_model_on_a_4bit_base(qreft_runs):
+    assert_same_run(qreft_runs / "ddp", qreft_runs / "single")
+    assert_same_run(qreft_runs / "zero2", qreft_runs / "single")
+
+
+def test_a_resume_on_a_4bit_base_is_bit_identical_and_bound_to_the_quantization(qreft_runs, tiny_model, tiny_data,
+                                                                              tmp_path):
+    """From checkpoint-4 with the original flags: the uninterrupted run bit for bit. With the base quantized
+    otherwise (8-bit, fp4, or not at all): refused in one line, naming each difference."""
+    resumed = copy_as_killed(qreft_runs / "single", tmp_path / "resumed", last_checkpoint=4)
+    single = flags(tiny_model, tiny_data, resumed, "--dropout", "0", "--gradient_accumulation_steps", "4",
+                   "--resume_from_checkpoint", "auto")
+    for other, difference in ((["--load_in_8bit"], "--load_in_4bit (True in the checkpoint, False in this run); "
+                                                    "--load_in_8bit (False in the checkpoint, True in this run)"),
+                              (["--load_in_4bit", "--bnb_4bit_quant_type", "fp4"],
+                               "--bnb_4bit_quant_type (nf4 in the checkpoint, fp4 in this run)"),
+                              ([], "--load_in_4bit (True in the checkpoint, False in this run)")):
+        status, _, stderr = run_in_process("train.py", [*single, *other])
+        assert status == 2, stderr[-3000:]
+        lines = [line for line in stderr.splitlines() if line.startswith("train.py: error:")]
+        assert len(lines) == 1 and f"this run differs from the checkpoint in {difference}" in lines[0], stderr
+    with one_thread():
+        status, stdout, stderr = run_in_process("train.py", [*single, "--load_in_4bit"])
+    assert status == 0, stderr[-3000:]
+    assert "at step 4" in stdout
+    assert_same_run(resumed, qreft_runs / "single", exact=True)
+
+
+def test_a_checkpoint_from_before_the_quantization_flags_counts_as_unquantized(qreft_runs, tiny_model, tiny_data,
+                                                                              tmp_path):
+    """A checkpoint whose flags lack the quantization ones (written before they existed) was trained on an
+    unquantized base: resuming it with --load_in_4bit is refused. (The NF4 run's checkpoint, its quantization
+    flags stripped and its manifest updated to match.)"""
+    from alpaca.manifest import MANIFEST, sha256
+
+    copy_as_killed(qreft_runs / "single", tmp_path, last_checkpoint=4)
+    state_file, manifest_file = tmp_path / "checkpoint-4" / "trainer_state.json", tmp_path / "checkpoint-4" / MANIFEST
+    state = json.loads(state_file.read_text())
+    for name in ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant"):
+        del state["fingerprint"]["flags"][name]
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"]["trainer_state.json"] = {"bytes": state_file.stat().st_size, "sha256": sha256(state_file)}
+    manifest_file.write_text(json.dumps(manifest))
+    status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, *NF4,
+                                                         "--gradient_accumulation_steps", "4",
+                                                         "--resume_from_checkpoint", "auto"))
+    assert status == 2
+    assert ("this run differs from the checkpoint in --load_in_4bit (False in the checkpoint, True in this run); "
+            "--bnb_4bit_quant_type (None in the checkpoint, nf4 in this run).") in stderr
+
+
+def test_the_output_loads_onto_the_quantized_and_the_full_precision_base(qreft_runs, tiny_model):
+    """The saved arguments name the quantization; examples/generate.py answers with the interventions on the 4-bit
+    base and on the float32 one, and pyreft's own loader reads them onto either."""
+    import pyreft
+
+    run = qreft_runs / "single"
+    saved = json.loads((run / "training_args.json").read_text())
+    assert (saved["load_in_4bit"], saved["load_in_8bit"], saved["bnb_4bit_quant_type"],
+            saved["bnb_4bit_use_double_quant"]) == (True, False, "nf4", False)
+    for quantized in (["--load_in_4bit"], []):
+        status, stdout, stderr = run_in_process("examples/generate.py", ["--reft_dir", run, "--instruction",
+                                                                         "Name three primary colors.",
+                                                                         "--max_new_tokens", "6", *quantized])
+        assert status == 0, stderr[-3000:]
+        assert "REFT MODEL" in stdout
+    weights = intervention_weights(run)
+    for quantization in ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, None):
+        base, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"), quantization=quantization)
+        reft_model = pyreft.ReftModel.load(str(run), base)
+        for key, intervention in reft_model.interventions.items():
+            assert torch.equal(intervention.rotate_layer.weight, weights[f"intkey_{key}.bin/rotate_layer"])
+
+
+def test_the_quantized_base_holds_its_linear_layers_in_4_or_8_bits(tiny_model):
+    """bitsandbytes quantizes every decoder linear as transformers loads the base (not the LM head, nor the
+    embeddings): 4-bit weights take half a byte and a float32 scale per 64 values (with double quantization a
+    one-byte scale, itself scaled per 256 blocks); 8-bit ones a byte and a scale per row. What benchmarks/memory.py
+    reports per rank."""
+    import bitsandbytes as bnb
+
+    def linear_bytes_per_parameter(quantization, kind, scale_dtype=None):
+        model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"), quantization=quantization)
+        linears = [module for name, module in model.named_modules() if ".layers." in name
+                   and isinstance(module, torch.nn.Linear)]
+        assert linears and all(isinstance(module, kind) for module in linears)
+        assert not isinstance(model.lm_head, kind)
+        if scale_dtype is not None:
+            assert all(module.weight.quant_state.absmax.dtype == scale_dtype for module in linears)
+        held = sum(local_parameter_bytes(module) for module in linears)
+        return held / sum(module.in_features * module.out_features for module in linears)
+
+    nf4 = linear_bytes_per_parameter({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, bnb.nn.Linear4bit,
+                                     torch.float32)
+    double = linear_bytes_per_parameter({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4",
+                                         "bnb_4bit_use_double_quant": True}, bnb.nn.Linear4bit, torch.uint8)
+    int8 = linear_bytes_per_parameter({"load_in_8bit": True}, bnb.nn.Linear8bitLt)
+    assert 0.5 + 4 / 64 <= nf4 < 0.6 and 0.5 + 1 / 64 < double < 1  # the tiny layers' fixed overheads weigh in
+    assert 1 < int8 < 1.1
+
+
+def test_an_8bit_base_trains_packed_under_a_device_map(tiny_model, tiny_data, tmp_path):
+    """--load_in_8bit with a JSON --device_map (every module on the CPU, here) and --packing: the loss goes down."""
+    cpu_map = json.dumps(dict.fromkeys(json.loads(disk_map()), "cpu"))
+    status, stdout, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, tmp_path, "--load_in_8bit",
+                                                              "--device_map", cpu_map, "--max_steps", "6",
+                                                              "--save_strategy", "no", "--packing"))
+    assert status == 0, stderr[-3000:]
+    assert "(8-bit, computing in torch.float32) on --device_map (cpu:" in stdout
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses[-1] < losses[0]
+
+
+def refused(script: str, argv: list, message: str) -> None:
+    status, stdout, stderr = run_in_process(script, argv)
+    assert status == 2 and not stdout
+    assert stderr.strip().splitlines() == [f"{script.rsplit('/', 1)[-1]}: error: {message}"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--load_in_4bit", "--load_in_8bit"], "--load_in_4bit and --load_in_8bit are exclusive; pick one"),
+    (["--bnb_4bit_quant_type", "fp4"],
+     "--bnb_4bit_quant_type sets how --load_in_4bit quantizes the base; add --load_in_4bit, or drop it"),
+    (["--load_in_8bit", "--bnb_4bit_use_double_quant"],
+     "--bnb_4bit_use_double_quant sets how --load_in_4bit quantizes the base; add --load_in_4bit, or drop it"),
+    (["--load_in_4bit", "--fsdp"],
+     "--load_in_4bit and --fsdp do not combine: FSDP2 shards plain tensors and would drop bitsandbytes' "
+     "quantization state; use DDP (each rank its own quantized copy), --device_map, or --fsdp on an unquantized "
+     "base (docs/big-models.md)"),
+    (["--load_in_8bit", "--deepspeed", "examples/deepspeed/zero3.json"],
+     "--load_in_8bit and ZeRO-3 do not combine: ZeRO-3 partitions the base's weights, which bitsandbytes keeps "
+     "quantized as whole tensors; use ZeRO-1/2 (examples/deepspeed/zero2.json) or DDP (docs/big-models.md)"),
+    (["--load_in_4bit", "--device_map", disk_map(), "--offload_folder", "offload"],
+     "--load_in_4bit with --device_map: bitsandbytes cannot offload quantized layers to disk; place every module "
+     "on a GPU or the CPU and drop --offload_folder (docs/big-models.md)"),
+    (["--load_in_4bit", "--torch_compile"],
+     "--torch_compile is not yet tested with --load_in_4bit (bitsandbytes' kernels); drop one of them"),
+])
+def test_what_a_quantized_base_does_not_combine_with_is_refused_in_one_line(extra, message, tmp_path):
+    """Before anything loads (the model does not even exist)."""
+    refused("train_multigpu.py", ["--model_name_or_path", tmp_path / "none", "--output_dir", tmp_path, *extra],
+            message)
+
+
+def test_generate_refuses_a_quantized_base_on_disk_in_one_line(tmp_path):
+    refused("examples/generate.py", ["--reft_dir", tmp_path, "--load_in_8bit", "--device_map", "auto",
+                                     "--offload_folder", tmp_path],
+            "--load_in_8bit with --device_map: bitsandbytes cannot offload quantized layers to disk; place every "
+            "module on a GPU or the CPU and drop --offload_folder (docs/big-models.md)")
+
+
+
+def test_a_forward_without_gradient_leaves_the_4bit_layers_differentiable(tiny_model):
+    """An evaluation (eval mode, no gradient) between two training steps: the interventions' gradients through the
+    4-bit layers above them are the same after it as before (bitsandbytes would otherwise switch those layers, on
+    CPUs with AVX512-BF16, to a kernel without a backward: alpaca.workarounds.keep_4bit_layers_differentiable)."""
+    from alpaca.model import build_reft_model
+
+    model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"),
+                               quantization={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
+    torch.manual_seed(0)
+    reft_model = build_reft_model(model, "1", (1, 1), False, rank=4)
+    ids = torch.randint(0, 300, (2, 12))
+    locations = {"sources->base": (None, [[[0], [0]], [[11], [11]]])}
+
+    def gradients():
+        reft_model.interventions.zero_grad()
+        _, outputs = reft_model({"input_ids": ids}, unit_locations=locations)
+        outputs.logits.logsumexp(-1).sum().backward()
+        return [parameter.grad.clone() for parameter in reft_model.interventions.parameters()]
+
+    before = gradients()
+    with torch.no_grad():
+        reft_model({"input_ids": ids}, unit_locations=locations)
+    assert all(torch.equal(a, b) for a, b in zip(gradients(), before, strict=True)) and before
