@@ -325,8 +325,10 @@ def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespac
                        "--field_map, --max_n_train_example and any held-out split)")
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
                 for part in ("config", "tokenizer", "weights") if saved["model"][part] != current["model"][part]]
-    changes += [f"--{name} ({saved['flags'][name]} in the checkpoint, {value} in this run)"
-                for name, value in current["flags"].items() if saved["flags"].get(name) != value]
+    recorded = saved["flags"]
+    changes += [f"--{name} ({recorded[name] if name in recorded else 'not recorded'} in the checkpoint, {value} in "
+                "this run)" for name, value in current["flags"].items()
+                if name not in recorded or recorded[name] != value]
     if changes:
         raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
                          "model and flags the checkpoint was trained with (its training_args.json), or train "

@@ -73,11 +73,11 @@ def test_a_resume_on_a_4bit_base_is_bit_identical_and_bound_to_the_quantization(
     assert_same_run(resumed, qreft_runs / "single", exact=True)
 
 
-def test_a_checkpoint_from_before_the_quantization_flags_counts_as_unquantized(qreft_runs, tiny_model, tiny_data,
+def test_a_checkpoint_that_records_no_quantization_is_refused(qreft_runs, tiny_model, tiny_data,
                                                                               tmp_path):
-    """A checkpoint whose flags lack the quantization ones (written before they existed) was trained on an
-    unquantized base: resuming it with --load_in_4bit is refused. (The NF4 run's checkpoint, its quantization
-    flags stripped and its manifest updated to match.)"""
+    """A checkpoint whose flags lack the quantization ones cannot say what base it was trained on: its resume is
+    refused in one line naming them. (The NF4 run's checkpoint, its quantization flags stripped and its manifest
+    updated to match.)"""
     from alpaca.manifest import MANIFEST, sha256
 
     copy_as_killed(qreft_runs / "single", tmp_path, last_checkpoint=4)
@@ -93,8 +93,8 @@ def test_a_checkpoint_from_before_the_quantization_flags_counts_as_unquantized(q
                                                          "--gradient_accumulation_steps", "4",
                                                          "--resume_from_checkpoint", "auto"))
     assert status == 2
-    assert ("this run differs from the checkpoint in --load_in_4bit (False in the checkpoint, True in this run); "
-            "--bnb_4bit_quant_type (None in the checkpoint, nf4 in this run).") in stderr
+    assert ("this run differs from the checkpoint in --load_in_4bit (not recorded in the checkpoint, True in this "
+            "run); --load_in_8bit (not recorded in the checkpoint, False in this run)") in stderr
 
 
 def test_the_output_loads_onto_the_quantized_and_the_full_precision_base(qreft_runs, tiny_model):
