@@ -581,6 +581,9 @@ def validate_quantization(args: argparse.Namespace) -> None:
         args.bnb_4bit_quant_type = "nf4"
     if not quantized:
         return
+    if args.dtype == "float64":
+        raise UsageError(f"{quantized} computes in float32, bfloat16 or float16, not float64; pick one of those with "
+                         "--dtype, or drop the quantization")
     if getattr(args, "fsdp", ""):
         raise UsageError(f"{quantized} and --fsdp do not combine: FSDP2 shards plain tensors and would drop "
                          "bitsandbytes' quantization state; use DDP (each rank its own quantized copy), "

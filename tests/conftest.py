@@ -379,41 +379,52 @@ def saved_command_line(run_dir) -> list[str]:
     return argv
 
 
-TRUTH_RUNS: dict[tuple[str, ...], Path] = {}  # by process count and flags: runs of one model share their truth
+RERUNS: dict[tuple[str, ...], Path] = {}  # by process count and flags: runs of one model share their reruns
+QUANTIZATION = {"--load_in_4bit", "--load_in_8bit", "--bnb_4bit_quant_type", "--bnb_4bit_use_double_quant"}
 
 
-def truth_run(run_dir) -> Path:
-    """The run in `run_dir` trained again one precision up (once per session): the same flags, on one process
-    with the accumulation that keeps the global batch, unless dropout draws its masks on each rank, where on
-    the run's number of processes. The flags that change no arithmetic (sharding, resuming, compiling, loader
-    workers, sample answers) are dropped: a truth is a plain uninterrupted run."""
+def rerun(run_dir, dtype: str, unquantized: bool = False) -> Path:
+    """The run in `run_dir` trained again in `dtype` (once per session): the same flags, on one process with the
+    accumulation that keeps the global batch, unless dropout draws its masks on each rank, where on the run's
+    number of processes. The flags that change no arithmetic (sharding, resuming, compiling, loader workers,
+    sample answers) are dropped: a rerun is a plain uninterrupted run; `unquantized` drops the quantization."""
     run_dir = Path(run_dir)
     saved = json.loads((run_dir / "training_args.json").read_text())
     dropped = {"--output_dir", "--dtype", "--resume_from_checkpoint", "--deepspeed", "--fsdp", "--torch_compile",
                "--gradient_accumulation_steps", "--dataloader_num_workers", "--num_sample_answers", "--report_to",
-               "--overwrite_output_dir"}
+               "--overwrite_output_dir", *(QUANTIZATION if unquantized else ())}
     argv = saved_command_line(run_dir)
     kept = [token for name, value in zip(argv[::2], argv[1::2]) if name not in dropped for token in (name, value)]
     processes = saved["world_size"] if saved["dropout"] > 0 else 1
     accumulation = saved["gradient_accumulation_steps"] * saved["world_size"] // processes
-    truth_flags = [*kept, "--dtype", ONE_PRECISION_UP[saved["dtype"]], "--gradient_accumulation_steps",
-                   str(accumulation), "--num_sample_answers", "0"]
-    key = (str(processes), *truth_flags)
-    if key not in TRUTH_RUNS:
-        truth_dir = run_dir.with_name(run_dir.name + "-truth")
+    rerun_flags = [*kept, "--dtype", dtype, "--gradient_accumulation_steps", str(accumulation),
+                   "--num_sample_answers", "0"]
+    key = (str(processes), *rerun_flags)
+    if key not in RERUNS:
+        rerun_dir = run_dir.with_name(f"{run_dir.name}-{dtype}{'-unquantized' if unquantized else ''}")
         if processes == 1:
-            status, _, stderr = run_in_process("train.py", [*truth_flags, "--output_dir", truth_dir])
+            status, _, stderr = run_in_process("train.py", [*rerun_flags, "--output_dir", rerun_dir])
             assert status == 0, stderr[-3000:]
         else:
-            result = torchrun(processes, ["train_multigpu.py", *truth_flags, "--output_dir", str(truth_dir)])
+            result = torchrun(processes, ["train_multigpu.py", *rerun_flags, "--output_dir", str(rerun_dir)])
             assert result.returncode == 0, result.stderr[-3000:]
-        TRUTH_RUNS[key] = truth_dir
-    return TRUTH_RUNS[key]
+        RERUNS[key] = rerun_dir
+    return RERUNS[key]
+
+
+def truth_run(run_dir) -> Path:
+    """The run in `run_dir` trained again one precision up (`rerun`)."""
+    return rerun(run_dir, ONE_PRECISION_UP[json.loads((Path(run_dir) / "training_args.json").read_text())["dtype"]])
 
 
 def rounding_tolerances(run_dir, truth_dir=None) -> dict[str, float]:
     """How far a run may be from `run_dir`'s run when only the order of its float arithmetic differs: NOISE_MARGIN
-    times the rounding error of `run_dir`'s run, measured against its truth (`truth_run` unless given)."""
+    times the rounding error of `run_dir`'s run, measured against its truth (`truth_run` unless given). On a
+    bitsandbytes-quantized base, which has no float64 path, the error is that of the same float32 arithmetic
+    with the base unquantized."""
+    saved = json.loads((Path(run_dir) / "training_args.json").read_text())
+    if truth_dir is None and (saved.get("load_in_4bit") or saved.get("load_in_8bit")):
+        run_dir = rerun(run_dir, saved["dtype"], unquantized=True)
     deviations = relative_deviations(run_dir, truth_dir or truth_run(run_dir))
     return {key: NOISE_MARGIN * max(error, FLOAT32_ROUNDING) for key, error in deviations.items()}
 

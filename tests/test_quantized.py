@@ -182,6 +182,9 @@ def refused(script: str, argv: list, message: str) -> None:
     (["--load_in_4bit", "--device_map", disk_map(), "--offload_folder", "offload"],
      "--load_in_4bit with --device_map: bitsandbytes cannot offload quantized layers to disk; place every module "
      "on a GPU or the CPU and drop --offload_folder (docs/big-models.md)"),
+    (["--load_in_4bit", "--dtype", "float64"],
+     "--load_in_4bit computes in float32, bfloat16 or float16, not float64; pick one of those with --dtype, or drop "
+     "the quantization"),
     (["--load_in_4bit", "--torch_compile"],
      "--torch_compile is not yet tested with --load_in_4bit (bitsandbytes' kernels); drop one of them"),
 ])
