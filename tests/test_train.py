@@ -14,6 +14,7 @@ from conftest import (
     logged_values,
     run_in_process,
     run_script,
+    truth_run,
 )
 
 from alpaca.model import build_reft_model, intervention_parameters, load_base_model, optimizer_param_groups
@@ -60,6 +61,7 @@ def test_the_run_comparison_catches_a_wrong_gradient_scale(tiny_model, tiny_data
             "--eval_data_path", tiny_eval_data, "--eval_strategy", "steps", "--eval_steps", "2"]
     status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "right"])
     assert status == 0, stderr[-3000:]
+    truth_run(tmp_path / "right")  # the comparison's measure, trained before the objective is doubled here
     token_weighted_loss = alpaca.loss.token_weighted_loss
     monkeypatch.setattr(alpaca.loss, "token_weighted_loss", lambda *a, **k: 2 * token_weighted_loss(*a, **k))
     status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "doubled"])
