@@ -8,7 +8,9 @@ Several GPUs: `torchrun --nproc_per_node N train_multigpu.py` with the same flag
 """
 
 import os
+import resource
 import sys
+import time
 
 from alpaca.args import exit_on_usage_error, parse_args
 from alpaca.errors import UsageError
@@ -24,16 +26,14 @@ def main(argv: list[str] | None = None) -> None:
                  f"one device. Use: torchrun --nproc_per_node {world_size} train_multigpu.py <same flags>")
     args = parse_args(PROG, argv)  # before the heavy imports: --help and usage errors are instant
     try:
-        train(args)
+        train_on_one_device(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
 
-def train(args) -> None:
+def train_on_one_device(args) -> None:
     """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU); with
     --device_map the base spreads over every visible GPU (and the CPU, disk), the batch entering on the first."""
-    import time
-
     import torch
 
     started = time.perf_counter()
@@ -49,30 +49,36 @@ def train(args) -> None:
                   "--device_map auto for a model one GPU cannot hold")
     else:
         device = torch.device("cpu")
-    run(args, device, gpus, started)
+    train(args, device, gpus, started)
 
 
-def run(args, device, gpus: list[int], started: float) -> None:
-    """Everything on the device (or the devices of a --device_map): data, model, the training loop, the output."""
-    import resource
-    import time
-
+def train(args, device, gpus: list[int], started: float) -> None:
+    """Data, model, the training loop and the output, on the device (or the devices of a --device_map)."""
     import numpy as np
     import torch
+    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
+        TrainerState,
+        geometry,
         load_checkpoint,
         prepare_output_dir,
         restore_training_state,
         rng_state,
         save_checkpoint,
         save_output,
-        trainer_state,
     )
-    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
+    from alpaca.data import (
+        DistributedGlobalBatchSampler,
+        StepCollator,
+        eval_batches,
+        give_step_counts,
+        loader_workers,
+        step_counts,
+    )
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import check_attention, describe, resolve_dtype
@@ -112,15 +118,23 @@ def run(args, device, gpus: list[int], started: float) -> None:
 
     def checkpoint(epoch: int, next_batch: int):
         """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the plan."""
-        return save_checkpoint(args.output_dir, step, reft_model, trainer_state(
+        trainer_state = TrainerState(
             step=step, epoch=epoch, next_batch=next_batch, window=window.totals().tolist(),
-            optimizer_state=optimizer.state_dict(), scheduler=scheduler, rng_states=[rng_state(gpus)], args=args,
-            world_size=1, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint),
-            args.save_total_limit)
+            optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), rng=[rng_state(gpus)],
+            geometry=geometry(args, world_size=1), seed=args.seed, num_examples=len(dataset),
+            prompt_template=args.prompt_template, wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint)
+        return save_checkpoint(args.output_dir, step, reft_model, trainer_state, args.save_total_limit)
 
-    # -- data: one item per optimizer step, its micro-batches collated (in workers, ahead of the step) -------
-    loader = step_loader(dataset, collate, args, pin_memory=device.type == "cuda")
-    sampler = loader.batch_sampler
+    # -- data: one DataLoader item per optimizer step, the global batch of a world of one --------------------
+    lengths = np.array(dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, seed=args.seed,
+        lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    # its micro-batches collated in workers (--dataloader_num_workers), ahead of the step
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+                        collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
+                        **loader_workers(args.dataloader_num_workers))
     eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
 
     # -- train --------------------------------------------------------------------------------------

@@ -10,7 +10,12 @@ a step) and takes its own share of each global batch; the loss is weighted by th
 whole global batch. So N processes compute the gradient one process computes, and train the same model.
 """
 
+import datetime
+import gc
 import os
+import socket
+import sys
+import time
 
 from alpaca.args import exit_on_usage_error, parse_args, wait_for_launcher
 from alpaca.errors import UsageError
@@ -21,24 +26,21 @@ PROG = "train_multigpu.py"
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(PROG, argv, multigpu=True)  # before the heavy imports: --help and usage errors are instant
     try:
-        train(args)
+        train_in_process_group(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
 
-def train(args) -> None:
-    """The process group's life: create it, run the training, destroy it."""
-    import socket
-    import sys
-    import time
-
+def train_in_process_group(args) -> None:
+    """This process's device(s), then the process group's life: created, the training run in it, destroyed."""
     import torch
+    import torch.distributed as dist
 
     from alpaca.device_map import gpu_group
-    from alpaca.distributed import process_group
+    from alpaca.distributed import releasing_process_group
 
     started = time.perf_counter()
-    # -- process group: torchrun / accelerate set these; plain `python` is a world of one ----------------
+    # -- launch environment: torchrun / accelerate set these; plain `python` is a world of one ------------
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -73,39 +75,61 @@ def train(args) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
+
+    # -- process group --------------------------------------------------------------------------------
     backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
-    with process_group(backend, args.ddp_timeout, device):
-        run(args, device, gpus, backend, started)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        with releasing_process_group():  # what holds the group lets go of it, however training ends
+            train(args, device, gpus, backend, started)
+    finally:
+        dist.destroy_process_group()
+        gc.collect()  # FSDP's sharded modules can become collectable only once the group is gone
 
 
-def run(args, device, gpus: list[int], backend: str, started: float) -> None:
-    """Everything between the process group's creation and its destruction."""
-    import sys
-    import time
-
+def train(args, device, gpus: list[int], backend: str, started: float) -> None:
+    """Data, model, the training loop and the output, on every rank of the process group."""
     import numpy as np
     import torch
     import torch.distributed as dist
+    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
+        TrainerState,
+        geometry,
         load_checkpoint,
         prepare_output_dir,
         restore_training_state,
         rng_state,
         save_checkpoint,
         save_output,
-        trainer_state,
     )
-    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
-    from alpaca.distributed import main_rank_result, run_checked
+    from alpaca.data import (
+        DistributedGlobalBatchSampler,
+        StepCollator,
+        eval_batches,
+        give_step_counts,
+        loader_workers,
+        step_counts,
+    )
+    from alpaca.distributed import gather_rank_report, main_rank_result, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate
     from alpaca.model import check_attention, describe, resolve_dtype
     from alpaca.optim import StepPlan, build_optimizer
-    from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+    from alpaca.output import (
+        LogWindow,
+        MetricsLog,
+        eval_record,
+        quiet_non_main_rank,
+        save_args,
+        start_line,
+        train_record,
+    )
     from alpaca.strategy import choose_strategy, local_parameter_bytes
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -151,19 +175,28 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
         """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
         rng_states = [None] * world_size
         dist.all_gather_object(rng_states, rng_state(gpus))
-        global_window = window.totals()  # the logging window so far, summed over ranks
-        dist.all_reduce(global_window)
-        optimizer_state = strategy.optimizer_state()  # under DeepSpeed, assembled from the partitions
+        logged_so_far = window.totals()  # the logging window so far, summed over ranks
+        dist.all_reduce(logged_so_far)
+        trainer_state = TrainerState(
+            step=step, epoch=epoch, next_batch=next_batch, window=logged_so_far.tolist(),
+            optimizer=strategy.optimizer_state(),  # under DeepSpeed, assembled from the partitions
+            scheduler=scheduler.state_dict(), rng=rng_states, geometry=geometry(args, world_size), seed=args.seed,
+            num_examples=len(dataset), prompt_template=args.prompt_template,
+            wandb_run_id=metrics.wandb_run_id if is_main else None, fingerprint=fingerprint)
         with strategy.gathered():
-            return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
-                step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(),
-                optimizer_state=optimizer_state, scheduler=scheduler, rng_states=rng_states, args=args,
-                world_size=world_size, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id,
-                fingerprint=fingerprint), args.save_total_limit), participate=is_main, device=device)
+            return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state,
+                                                       args.save_total_limit), participate=is_main, device=device)
 
-    # -- data: each rank's share of each global batch, one item per optimizer step, collated in workers ------
-    loader = step_loader(dataset, collate, args, device.type == "cuda", num_replicas=world_size, rank=rank)
-    sampler = loader.batch_sampler
+    # -- data: each rank's share of each global batch, one DataLoader item per optimizer step -----------------
+    lengths = np.array(dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, num_replicas=world_size,
+        rank=rank, seed=args.seed, lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    # its micro-batches collated in workers (--dataloader_num_workers), ahead of the step
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+                        collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
+                        **loader_workers(args.dataloader_num_workers))
     placeholder = collate([dataset[0]])  # run at zero weight where a rank's share of a global batch falls short
     eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
     # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
@@ -318,41 +351,6 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
     fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to
     return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint
-
-
-def gather_rank_report(tokens_per_s: float, base_bytes: int, device) -> str:
-    """Tokens/s, peak memory and base parameter bytes of every rank, on every rank (a collective)."""
-    import resource
-
-    import torch
-    import torch.distributed as dist
-
-    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    per_rank = torch.tensor([tokens_per_s, peak_memory, base_bytes], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, per_rank)
-    rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
-                      for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
-    return f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates})"
-
-
-def quiet_non_main_rank() -> None:
-    """Ranks other than 0 print errors only: no stdout, progress bars or library warnings."""
-    import logging
-    import sys
-    import warnings
-
-    import datasets
-    import transformers
-
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    warnings.filterwarnings("ignore")
-    logging.getLogger().setLevel(logging.ERROR)  # pyvene warns through the root logger
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
 
 
 if __name__ == "__main__":

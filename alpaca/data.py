@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import Sampler
 
 from alpaca.args import CONVERSATION_FIELD, RECORD_FIELDS, cache_root
@@ -540,7 +541,7 @@ def packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 @dataclass
 class StepCollator:
-    """A DataLoader's collate_fn for `GlobalBatchSampler`: this rank's share of one global batch (its
+    """A DataLoader's collate_fn for `DistributedGlobalBatchSampler`: this rank's share of one global batch (its
     micro-batches, concatenated) -> the list of its collated micro-batches, empty for an empty share.
 
     Only the last micro-batch of a share can be partial (see `rank_micro_batches`), so cutting the share
@@ -590,7 +591,7 @@ def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: 
     return [batches[i] for i in rng.permutation(len(batches))] if shuffle else batches
 
 
-class GlobalBatchSampler(Sampler[list[int]]):
+class DistributedGlobalBatchSampler(Sampler[list[int]]):
     """The global batch plan as a DataLoader `batch_sampler`, with DistributedSampler's interface
     (num_replicas, rank, shuffle, seed, set_epoch) and a resume position (`set_start`).
 
@@ -676,27 +677,17 @@ def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     return math.ceil(num_examples / global_batch_size)
 
 
-def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas: int = 1, rank: int = 0):
-    """A DataLoader of one item per optimizer step: this rank's micro-batches of it, collated (in workers with
-    --dataloader_num_workers, ahead of the step). Its `batch_sampler` is the plan: set_epoch, set_start."""
-    from torch import Generator
-    from torch.utils.data import DataLoader
-
-    lengths, packing_max_tokens = np.array(dataset["length"]), args.packing_max_tokens  # None: no --packing
-    sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                                 num_replicas=num_replicas, rank=rank, shuffle=True, seed=args.seed,
-                                 lengths=lengths if args.group_by_length else None,
-                                 packing=(lengths, packing_max_tokens) if packing_max_tokens else None)
-    return DataLoader(dataset, batch_sampler=sampler,
-                      collate_fn=StepCollator(collate, args.per_device_train_batch_size, packing_max_tokens),
-                      num_workers=args.dataloader_num_workers, pin_memory=pin_memory,
-                      # Workers end with each epoch's iterator. A persistent iterator lives as long as the
-                      # DataLoader; left to the garbage collector (a reference cycle), it finds its workers' queues
-                      # already closed, and the workers, which ignore SIGTERM, then hang the process at exit.
-                      persistent_workers=False, worker_init_fn=dataloader_worker_init,
-                      # Each epoch's iterator draws a seed for its workers: from this generator, not from the
-                      # global RNG, whose stream (dropout) a resumed run must continue exactly.
-                      generator=Generator())
+def loader_workers(num_workers: int) -> dict[str, Any]:
+    """A training DataLoader's settings for its `num_workers` workers (--dataloader_num_workers), which collate
+    the steps ahead of the training loop."""
+    return dict(num_workers=num_workers,
+                # Workers end with each epoch's iterator. A persistent iterator lives as long as the DataLoader;
+                # left to the garbage collector (a reference cycle), it finds its workers' queues already closed,
+                # and the workers, which ignore SIGTERM, then hang the process at exit.
+                persistent_workers=False, worker_init_fn=dataloader_worker_init,
+                # Each epoch's iterator draws a seed for its workers: from this generator, not from the global
+                # RNG, whose stream (dropout) a resumed run must continue exactly.
+                generator=torch.Generator())
 
 
 def dataloader_worker_init(worker_id: int) -> None:

@@ -6,14 +6,19 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import netrc
 import os
 import shutil
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
+import datasets
 import torch
+import transformers
 
 from alpaca.args import INTERVENTIONS
 from alpaca.errors import UsageError
@@ -274,3 +279,14 @@ def plot_loss(directory: str | os.PathLike) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def quiet_non_main_rank() -> None:
+    """Ranks other than 0 print errors only: no stdout, progress bars or library warnings."""
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)  # pyvene warns through the root logger
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()

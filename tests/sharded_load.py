@@ -11,6 +11,7 @@ the files no more than its partitions (and the parts of rows around them): never
 not own. Prints "ok" on rank 0, for each model and strategy.
 """
 
+import datetime
 import math
 import os
 import sys
@@ -26,13 +27,14 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from alpaca.deepspeed import partition_base, start  # noqa: E402
-from alpaca.distributed import process_group  # noqa: E402
+from alpaca.distributed import releasing_process_group  # noqa: E402
 from alpaca.model import build_reft_model  # noqa: E402
 from alpaca.sharding import empty_base_model, load_shards  # noqa: E402
 from alpaca.strategy import shard_base_model  # noqa: E402
 
 cpu = torch.device("cpu")
-with process_group("gloo", 300, cpu):
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+with releasing_process_group():
     for model_dir in sys.argv[1:]:
         whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         sharded = empty_base_model(model_dir, torch.float32)
@@ -88,3 +90,4 @@ with process_group("gloo", 300, cpu):
             torch.testing.assert_close(partitioned(input_ids=ids).logits, whole(input_ids=ids).logits)
         if int(os.environ["RANK"]) == 0:
             print(f"ok: ZeRO-3, {world} ranks, tied={tied}")
+dist.destroy_process_group()
