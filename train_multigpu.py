@@ -10,6 +10,7 @@ a step) and takes its own share of each global batch; the loss is weighted by th
 whole global batch. So N processes compute the gradient one process computes, and train the same model.
 """
 
+import contextlib
 import datetime
 import gc
 import os
@@ -287,8 +288,6 @@ def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps:
     the most packs of any rank) runs zero-weight placeholders, as many as the strategy's collectives need;
     they draw no dropout masks (the RNG states of the host and of the process's `gpus` are put back), so the
     real micro-batches draw the same ones under every strategy."""
-    import contextlib
-
     import torch
     import torch.distributed as dist
 

@@ -8,10 +8,12 @@ import inspect
 import json
 import math
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
 from torch.utils.data import Sampler
@@ -202,8 +204,6 @@ def check_records(records: list[dict], source: str) -> None:
 def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None):
     """Alpaca records or conversations from a local .json/.jsonl file or an HF hub dataset, as a
     `datasets.Dataset`. `field_map` renames fields first (--field_map)."""
-    import datasets
-
     field_map = field_map or {}
     if os.path.isfile(data_path):
         records = [{field_map.get(key, key): value for key, value in record.items()} if isinstance(record, dict)
@@ -320,8 +320,6 @@ def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | 
     """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
     load it in a second instead of tokenizing again. The cache is checked against its manifest when read, and
     tokenized again if it is damaged."""
-    import datasets
-
     def build(directory: Path) -> None:
         tokenize(records, tokenizer, model_max_length, prompt_template).save_to_disk(str(directory))
 
@@ -420,8 +418,6 @@ class Collator:
         return labels
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        import torch
-
         longest = max(len(example["input_ids"]) for example in examples)
         width = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
@@ -452,8 +448,6 @@ class Collator:
         gives them). Each example's labels and intervention windows are its own, moved to where it starts; its
         first token is not a label (the token before it is another example's), so the seams predict nothing.
         Every per-token loss and gradient is the padded layout's (tests/test_loss.py)."""
-        import torch
-
         lengths = [len(example["input_ids"]) for example in examples]
         starts = np.cumsum([0, *lengths[:-1]]).tolist()
         used = sum(lengths)
@@ -695,7 +689,5 @@ def dataloader_worker_init(worker_id: int) -> None:
     job, workers included; a worker dying of it would fail the step that waits for its batch before
     the main process, which handles the signal (checkpoint.StopSignal), could checkpoint. The main
     process ends its workers itself, and a worker whose parent is gone exits on its own."""
-    import signal
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

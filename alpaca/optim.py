@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers import get_scheduler
 
 from alpaca.data import steps_per_epoch
 from alpaca.model import optimizer_param_groups
@@ -59,8 +60,6 @@ class StepPlan:
 
 def build_optimizer(reft_model, args: argparse.Namespace, plan: StepPlan):
     """AdamW (rotation and biases without weight decay) and the HF schedule named by --lr_scheduler_type."""
-    from transformers import get_scheduler
-
     optimizer = torch.optim.AdamW(optimizer_param_groups(reft_model, args.weight_decay), lr=args.learning_rate,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                   fused=True if args.optim == "adamw_torch_fused" else None)

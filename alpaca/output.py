@@ -9,6 +9,7 @@ import json
 import logging
 import netrc
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import transformers
 from alpaca.args import INTERVENTIONS
 from alpaca.errors import UsageError
 from alpaca.model import import_intervention, new_intervention
-from alpaca.workarounds import compute_in_float32, import_pyreft, keep_foreign_hooks, register_layout, set_train_mode
+from alpaca.workarounds import compute_in_float32, keep_foreign_hooks, pyreft, register_layout, set_train_mode
 
 ARGS_FILE = "training_args.json"
 METRICS_FILE = "metrics.jsonl"
@@ -62,8 +63,6 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     class (only those of INTERVENTIONS) and takes its saved state through its own `load_state_dict`,
     whatever its layout. Nothing runs code: `intkey_*.bin` are read weights-only.
     """
-    import pickle
-
 
     directory = Path(directory)
     try:
@@ -83,7 +82,6 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     if foreign:
         raise UsageError(f"{directory}/config.json names intervention classes that are not in INTERVENTIONS "
                          f"({', '.join(foreign)}); they are not imported")
-    pyreft = import_pyreft()
     representations = [
         {"layer": layer, "component": component, "low_rank_dimension": rank,
          "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank, base_model.dtype,
@@ -239,7 +237,7 @@ def _has_wandb_credentials() -> bool:
 def start_wandb(args: argparse.Namespace, config: dict, run_id: str | None = None):
     """A wandb run that never prompts: without credentials (and no WANDB_MODE) it runs offline.
     With `run_id` (from a checkpoint) it continues that run."""
-    import wandb
+    import wandb  # here: only --report_to wandb needs it, and its import takes seconds
 
     offline = "WANDB_MODE" not in os.environ and not _has_wandb_credentials()
     run = wandb.init(project=args.wandb_project, name=args.run_name, config=config, dir=args.output_dir,
@@ -259,7 +257,7 @@ def read_metrics(directory: str | os.PathLike) -> list[dict]:
 
 
 def plot_loss(directory: str | os.PathLike) -> Path:
-    import matplotlib
+    import matplotlib  # here: once per run, at its end; its import takes a second
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,19 +15,23 @@ import io
 import warnings
 
 import torch
+from torch.nn.attention import varlen
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from alpaca.args import COMPONENTS, VARLEN_ATTENTION
+from alpaca.layers import decoder_layer_list
+
+# pyvene prints, as it is imported, that nnsight (an optional backend these scripts do not use) is not detected:
+# pyreft and pyvene are imported here, quietly, and the other modules take them from here.
+with contextlib.redirect_stdout(io.StringIO()):
+    import pyreft  # noqa: F401 - for alpaca.model and alpaca.output
+    import pyvene
+    from pyvene.models.constants import CONST_OUTPUT_HOOK
 
 # pyvene's hooks copy index tensors with torch.tensor(tensor), which warns that clone() is the recommended
 # copy; the copy is what we want.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
-
-
-def import_pyreft():
-    """`import pyreft`, without pyvene's "nnsight is not detected" line (an optional backend we don't use)."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        import pyreft
-    return pyreft
 
 
 def keep_foreign_hooks(reft_model) -> None:
@@ -116,9 +120,6 @@ def causal_attention_without_mask_checks(model) -> None:
     forward with neither a mask, position ids nor a cache uses it (a pre-hook chooses per forward); any other
     (generation, a masked baseline) goes through "sdpa" and its masks, and a pack (--packing) through
     "sdpa" or, set up with --attn_implementation sdpa_varlen, `varlen_attention`. Only for a model on either."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     config = model.config
     packs = config._attn_implementation
     if packs not in ("sdpa", VARLEN_ATTENTION):
@@ -148,8 +149,6 @@ def varlen_attention(module, query, key, value, attention_mask, scaling: float |
     this is one, registered under VARLEN_ATTENTION with no mask function: transformers builds no mask for it.
     `query` is [1, heads, tokens, head_dim], key and value with the model's key-value heads; returns
     [1, tokens, heads, head_dim], as transformers' SDPA function does. No sliding window (refused at setup)."""
-    from torch.nn.attention import varlen
-
     query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
     output = varlen.varlen_attn(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
                                 kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling, window_size=(-1, 0),
@@ -165,11 +164,6 @@ def register_layout(model) -> None:
     (KeyError). Register the model's class in both, from the model: its decoder layer list (with its layers'
     `mlp` and `self_attn`, transformers' names, for the other COMPONENTS) and the hidden size of its (text)
     config. A class pyvene maps keeps pyvene's own layout."""
-    import pyvene
-    from pyvene.models.constants import CONST_OUTPUT_HOOK
-
-    from alpaca.model import decoder_layer_list  # here: alpaca.model imports this module
-
     model_class = type(model)
     if model_class in pyvene.type_to_module_mapping:
         return

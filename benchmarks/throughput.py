@@ -136,7 +136,7 @@ def reft_flops(model, reft_model, batch: dict, first_layer: int) -> float:
     the layers from the first intervened one on (below it nothing needs a gradient); the LM head forward and
     backward at the positions predicting a label; each intervention 6 x its parameters per intervened position.
     Real tokens only (no padding); a pack's examples each attend within themselves."""
-    from alpaca.model import decoder_layers
+    from alpaca.layers import decoder_layers
 
     config = model.config.get_text_config(decoder=True)
     layers = decoder_layers(model)

@@ -52,7 +52,8 @@ def test_fsdp_holds_about_half_the_base_per_rank_on_two_ranks(fsdp_runs):
 def test_gradient_checkpointing_recomputes_each_layer(tiny_model):
     """The layers that backward goes through (above the lowest intervention, layer 1) run twice per step:
     forward, then again in backward. The gradients are those without checkpointing."""
-    from alpaca.model import build_reft_model, decoder_layers
+    from alpaca.layers import decoder_layers
+    from alpaca.model import build_reft_model
 
     def step(checkpointing):
         model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))

@@ -17,7 +17,7 @@ from alpaca.model import (
     optimizer_param_groups,
 )
 from alpaca.output import load_reft_model, save_interventions
-from alpaca.workarounds import import_pyreft
+from alpaca.workarounds import pyreft
 
 POSITION = (3, 3)
 CPU = torch.device("cpu")
@@ -26,7 +26,6 @@ CPU = torch.device("cpu")
 def test_every_block_output_intervention_of_pyreft_is_offered():
     from pyvene import SourcelessIntervention, TrainableIntervention
 
-    pyreft = import_pyreft()
     shipped = {name for name, cls in inspect.getmembers(pyreft.interventions, inspect.isclass)
                if cls.__module__ == "pyreft.interventions" and issubclass(cls, TrainableIntervention)
                and issubclass(cls, SourcelessIntervention)}
