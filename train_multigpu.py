@@ -5,7 +5,7 @@
     accelerate launch --num_processes 8 train_multigpu.py ...
     python train_multigpu.py ...         # one process
 
-Every rank walks the same global batch plan as train.py (per_device x world_size x accumulation examples
+Every rank walks the same global batch schedule as train.py (per_device x world_size x accumulation examples
 a step) and takes its own share of each global batch; the loss is weighted by the label tokens of the
 whole global batch. So N processes compute the gradient one process computes, and train the same model.
 """
@@ -121,7 +121,7 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate
     from alpaca.model import check_attention, describe, resolve_dtype
-    from alpaca.optim import StepPlan, build_optimizer
+    from alpaca.optim import StepSchedule, build_optimizer
     from alpaca.output import (
         LogWindow,
         MetricsLog,
@@ -150,8 +150,8 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
         args, strategy, dtype, position, device)
 
     # -- optimization: global batch = per_device x world_size x accumulation, train.py's with one process ----
-    plan = StepPlan.from_args(args, len(dataset), world_size)
-    optimizer, scheduler = build_optimizer(reft_model, args, plan)
+    schedule = StepSchedule.from_args(args, len(dataset), world_size)
+    optimizer, scheduler = build_optimizer(reft_model, args, schedule)
     step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
     if resume_from is not None:
         loaded = main_rank_result(lambda: load_checkpoint(resume_from), is_main, device)
@@ -164,10 +164,10 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
     metrics = None  # rank 0's
     if is_main:
         placement = f" | {backend} | base model {strategy.layout}: {base_bytes / 2**20:.1f} MiB of parameters on rank 0"
-        print(start_line(summary, plan, args, eval_dataset and len(eval_dataset), resume_from, step,
+        print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset), resume_from, step,
                          time.perf_counter() - started, world_size, placement), flush=True)
-        resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
-                        total_steps=plan.total_steps, base_parameter_bytes_per_rank=base_bytes)
+        resolved = dict(world_size=world_size, global_batch_size=schedule.global_batch_size,
+                        total_steps=schedule.total_steps, base_parameter_bytes_per_rank=base_bytes)
         save_args(args, args.output_dir, **resolved)
         metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
     window = LogWindow(device, *saved_window[:2])
@@ -199,17 +199,17 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
                         collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
                         **loader_workers(args.dataloader_num_workers))
     placeholder = collate([dataset[0]])  # run at zero weight where a rank's share of a global batch falls short
-    eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
+    eval_order = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
     # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
     host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
 
     # -- train ------------------------------------------------------------------------------------
-    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
+    progress = tqdm(total=schedule.total_steps, initial=step, desc="training", dynamic_ncols=True,
                     disable=not is_main)
     eval_time, epoch = 0.0, start_epoch
     dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
     train_start = window_start = time.perf_counter()
-    while step < plan.total_steps:
+    while step < schedule.total_steps:
         sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
@@ -234,29 +234,29 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
             grad_norm = strategy.step()
             step += 1
             progress.update()
-            if plan.should_log(step):
+            if schedule.should_log(step):
                 logged = window.totals()
                 dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
                 if is_main:
                     now = time.perf_counter()
-                    metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate,
+                    metrics.write(train_record(step, schedule.steps_per_epoch, logged.tolist(), learning_rate,
                                                float(grad_norm), now - window_start, now - train_start), progress)
                 window.reset()
                 window_start = time.perf_counter()
-            if plan.should_evaluate(step, end_of_epoch):
+            if schedule.should_evaluate(step, end_of_epoch):
                 eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_plan, collate, device, rank, world_size,
+                totals = evaluate(reft_model, eval_dataset, eval_order, collate, device, rank, world_size,
                                   strategy.shards_base)
                 dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
                 seconds = time.perf_counter() - eval_start
                 if is_main:
-                    metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset),
+                    metrics.write(eval_record(step, schedule.steps_per_epoch, totals.tolist(), len(eval_dataset),
                                               seconds), progress)
                 window_start += seconds  # tokens/s counts training time only
                 eval_time += seconds
-            if plan.should_save(step, end_of_epoch, args.save_strategy):
+            if schedule.should_save(step, end_of_epoch, args.save_strategy):
                 checkpoint(epoch, next_batch=index + 1)
-            if step == plan.total_steps:
+            if step == schedule.total_steps:
                 break
         epoch += 1
     progress.close()
@@ -343,8 +343,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     if args.torch_compile:
         compile_decoder_layers(model)
     torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
-    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention, args.component)
+    reft_model = build_reft_model(model, args.layers, position, args.share_weights, low_rank_dimension=args.rank,
+                                  dropout=args.dropout, intervention=args.intervention, component=args.component)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)

@@ -37,7 +37,7 @@ from alpaca.data import records_fingerprint
 from alpaca.errors import StorageError, UsageError
 from alpaca.manifest import files_problem, read_manifest, write_manifest
 from alpaca.model import model_fingerprint
-from alpaca.optim import StepPlan
+from alpaca.optim import StepSchedule
 from alpaca.output import ARGS_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
@@ -292,9 +292,10 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     (training_fingerprint), which must be the checkpoint's."""
     states, saved = checkpoint
     check_resumable(saved, args, world_size, num_examples)
-    load_intervention_states(reft_model, states)  # the same layers, positions' layout, rank and initialization
+    # the same layers, positions' layout, low-rank dimension and initialization
+    load_intervention_states(reft_model, states)
     check_fingerprint(saved.get("fingerprint"), fingerprint, args)
-    total_steps = StepPlan.from_args(args, num_examples, world_size).total_steps
+    total_steps = StepSchedule.from_args(args, num_examples, world_size).total_steps
     if saved["step"] >= total_steps:
         raise UsageError(f"the checkpoint is at step {saved['step']} and this run ends at step {total_steps}: "
                          "nothing to train; raise --max_steps or --num_train_epochs (the checkpoint loads as an "

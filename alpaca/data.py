@@ -409,7 +409,7 @@ class Collator:
 
     def example_labels(self, example: dict[str, Any], ids):
         """The tokens the loss is on: every token after the prompt (the answer and eos), and in a conversation
-        its earlier assistant turns (`label_spans`). The loss's window and the step's label count are derived
+        its earlier assistant turns (`label_spans`). The loss's kept logits and the step's label count are derived
         from these, so this is the one place to change them."""
         labels = ids.clone()
         labels[: example["prompt_length"]] = IGNORE_INDEX
@@ -476,7 +476,7 @@ class Collator:
 
     def labels_and_locations(self, labels, locations: list, examples: list[dict[str, Any]]) -> dict[str, Any]:
         """What a micro-batch carries besides its tokens: labels, intervention locations and their mask, the loss's
-        window and the counts, from `labels` and `locations` (whose padding position is the last column)."""
+        kept logits and the counts, from `labels` and `locations` (whose padding position is the last column)."""
         width = labels.shape[1]
         labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         first_label = int(labelled_columns[0]) if len(labelled_columns) else width
@@ -490,7 +490,7 @@ class Collator:
             # every hook of every forward: see `token_losses`.
             "intervention_locations": locations,
             "intervention_mask": intervention_mask,
-            # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
+            # The loss's kept logits (logits_to_keep) and the label count both come from `labels`, whatever marks
             # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
             # host, so that the training step never reads them back from the device.
             "first_label_position": first_label,

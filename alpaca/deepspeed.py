@@ -2,7 +2,7 @@
 
 The config is HF's (`examples/deepspeed/`): "auto" values are filled from our flags (the bucket sizes of
 ZeRO-3 from the model's hidden size, as HF does), and values that disagree with the flags are refused. The
-optimizer and the schedule are ours (the flags), so are the step plan, the batches and the token-weighted
+optimizer and the schedule are ours (the flags), so are the step schedule, the batches and the token-weighted
 loss: DeepSpeed partitions (ZeRO-1: the optimizer state, ZeRO-2: and the gradients, ZeRO-3: and the
 parameters, the frozen base's included), reduces, clips and steps.
 

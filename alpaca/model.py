@@ -194,7 +194,7 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     return model, tokenizer
 
 
-def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, rank: int,
+def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, low_rank_dimension: int,
                      dropout: float = 0.0, intervention: str = "loreft", component: str = "block_output"):
     """pyreft model with one intervention per (layer, window) on `component` (a name of COMPONENTS).
 
@@ -203,8 +203,8 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
     text_config = model.config.get_text_config(decoder=True)
     layer_ids = parse_layers(layers, text_config.num_hidden_layers)
     hidden_size = text_config.hidden_size
-    if rank >= hidden_size:
-        raise UsageError(f"--rank {rank} must be smaller than the model's hidden size {hidden_size}")
+    if low_rank_dimension >= hidden_size:
+        raise UsageError(f"--rank {low_rank_dimension} must be smaller than the model's hidden size {hidden_size}")
     first_n, last_n = position
     if first_n and last_n and not share_weights:
         layer_ids = layer_ids + layer_ids  # first half: first-window interventions, second half: last-window
@@ -213,8 +213,8 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
         {
             "layer": layer,
             "component": component,
-            "low_rank_dimension": rank,
-            "intervention": new_intervention(intervention_class, hidden_size, rank, model.dtype, dropout),
+            "low_rank_dimension": low_rank_dimension,
+            "intervention": new_intervention(intervention_class, hidden_size, low_rank_dimension, model.dtype, dropout),
         }
         for layer in layer_ids
     ]
@@ -238,12 +238,12 @@ def import_intervention(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def new_intervention(intervention_class, hidden_size: int, rank: int, base_dtype: torch.dtype, dropout: float = 0.0,
-                     add_bias: bool = True):
+def new_intervention(intervention_class, hidden_size: int, low_rank_dimension: int, base_dtype: torch.dtype,
+                     dropout: float = 0.0, add_bias: bool = True):
     """One pyreft intervention, every weight in float32 (`trainable_dtype`) whatever the base's dtype (pyreft's
     default is bf16 for the learned source, which loses small updates): `compute_in_float32` casts at its
     boundary. `add_bias` is the NoReFT family's projection bias, ignored by the others."""
-    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout,
+    return intervention_class(embed_dim=hidden_size, low_rank_dimension=low_rank_dimension, dropout=dropout,
                               dtype=trainable_dtype(base_dtype), add_bias=add_bias)
 
 

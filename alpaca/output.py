@@ -83,10 +83,11 @@ def load_reft_model(directory: str | os.PathLike, base_model):
         raise UsageError(f"{directory}/config.json names intervention classes that are not in INTERVENTIONS "
                          f"({', '.join(foreign)}); they are not imported")
     representations = [
-        {"layer": layer, "component": component, "low_rank_dimension": rank,
-         "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank, base_model.dtype,
+        {"layer": layer, "component": component, "low_rank_dimension": low_rank_dimension,
+         "intervention": new_intervention(import_intervention(known[type_name]), dimension, low_rank_dimension,
+                                          base_model.dtype,
                                           add_bias="proj_layer.bias" in states.get(f"intkey_{key}.bin", {}))}
-        for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
+        for type_name, (layer, component, _, _, low_rank_dimension, *_), dimension, key in layout
     ]
     register_layout(base_model)
     # A base spread by a device map is not moved (accelerate refuses to): its interventions stay on the CPU until
@@ -138,15 +139,15 @@ class LogWindow:
         self.label_tokens, self.tokens = 0, 0
 
 
-def start_line(summary: str, plan, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
+def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
                ready_s: float, processes: int = 1, placement: str = "") -> str:
-    """The line a run starts with: data and model, the global batch and the plan, where it resumes."""
+    """The line a run starts with: data and model, the global batch and the step schedule, where it resumes."""
     per_process = f"{processes} processes x " if processes > 1 or placement else ""
-    return (f"{summary}\nglobal batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
+    return (f"{summary}\nglobal batch {schedule.global_batch_size} = {args.per_device_train_batch_size} per device x "
             f"{per_process}{args.gradient_accumulation_steps} accumulation"
             + (f", packed into micro-batches of up to {args.packing_max_tokens} tokens" if args.packing else "")
-            + f" | {plan.total_steps} steps "
-            f"({plan.steps_per_epoch} per epoch){placement}"
+            + f" | {schedule.total_steps} steps "
+            f"({schedule.steps_per_epoch} per epoch){placement}"
             + (f" | eval: {eval_size} examples, {args.eval_strategy}" if eval_size else "")
             + (f" | resuming {resume_from} at step {step}" if resume_from else "")
             + f" | ready in {ready_s:.1f}s")

@@ -193,7 +193,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     check_attention(args.attn_implementation, device, model.dtype)
     set_attention(model, args.attn_implementation)
     torch.manual_seed(0)
-    reft_model = build_reft_model(model, args.layers, (1, 1), False, args.rank)
+    reft_model = build_reft_model(model, args.layers, (1, 1), False, low_rank_dimension=args.rank)
     if args.torch_compile:
         compile_decoder_layers(model)
     parameters = [p for _, p in intervention_parameters(reft_model)]

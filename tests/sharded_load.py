@@ -39,7 +39,7 @@ with releasing_process_group():
         whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         sharded = empty_base_model(model_dir, torch.float32)
         assert all(p.is_meta for p in sharded.parameters())
-        build_reft_model(sharded, "1", (1, 1), False, rank=2)  # as in train_multigpu.py: before sharding
+        build_reft_model(sharded, "1", (1, 1), False, low_rank_dimension=2)  # as in train_multigpu.py: before sharding
         shard_base_model(sharded, cpu)
         load_shards(sharded, model_dir, cpu)
 
@@ -67,7 +67,7 @@ with releasing_process_group():
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}}
         partitioned = empty_base_model(model_dir, torch.float32, reader="ZeRO-3")
-        build_reft_model(partitioned, "1", (1, 1), False, rank=2)
+        build_reft_model(partitioned, "1", (1, 1), False, low_rank_dimension=2)
         start(config, partitioned, cpu)
         read_before = read_count.bytes_read()
         partition_base(partitioned, model_dir, config, cpu)

@@ -90,7 +90,7 @@ def test_pyreft_loads_a_family_it_does_not_know_once_its_layout_is_registered(fa
 
     model, tokenizer = load_base_model(str(family_model("Qwen3")), torch.bfloat16, CPU)
     torch.manual_seed(0)
-    trained = build_reft_model(model, "1;2", (1, 1), False, rank=4)
+    trained = build_reft_model(model, "1;2", (1, 1), False, low_rank_dimension=4)
     save_interventions(trained, tmp_path)
     for table in (pyvene.type_to_module_mapping, pyvene.type_to_dimension_mapping):
         monkeypatch.delitem(table, type(model))  # as in a fresh process

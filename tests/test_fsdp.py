@@ -63,7 +63,7 @@ def test_gradient_checkpointing_recomputes_each_layer(tiny_model):
         for index, layer in enumerate(decoder_layers(model)):
             layer.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
         torch.manual_seed(0)
-        reft_model = build_reft_model(model, "1;3", (1, 1), False, rank=4)
+        reft_model = build_reft_model(model, "1;3", (1, 1), False, low_rank_dimension=4)
         ids = torch.randint(0, 300, (2, 12))
         locations = [[[0], [0]]] * 2 + [[[11], [11]]] * 2
         _, outputs = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})
