@@ -8,7 +8,9 @@ Several GPUs: `torchrun --nproc_per_node N train_multigpu.py` with the same flag
 """
 
 import os
+import resource
 import sys
+import time
 
 from alpaca.args import exit_on_usage_error, parse_args
 from alpaca.errors import UsageError
@@ -24,16 +26,14 @@ def main(argv: list[str] | None = None) -> None:
                  f"one device. Use: torchrun --nproc_per_node {world_size} train_multigpu.py <same flags>")
     args = parse_args(PROG, argv)  # before the heavy imports: --help and usage errors are instant
     try:
-        train(args)
+        train_on_one_device(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
 
-def train(args) -> None:
+def train_on_one_device(args) -> None:
     """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU); with
     --device_map the base spreads over every visible GPU (and the CPU, disk), the batch entering on the first."""
-    import time
-
     import torch
 
     started = time.perf_counter()
@@ -49,34 +49,40 @@ def train(args) -> None:
                   "--device_map auto for a model one GPU cannot hold")
     else:
         device = torch.device("cpu")
-    run(args, device, gpus, started)
+    train(args, device, gpus, started)
 
 
-def run(args, device, gpus: list[int], started: float) -> None:
-    """Everything on the device (or the devices of a --device_map): data, model, the training loop, the output."""
-    import resource
-    import time
-
+def train(args, device, gpus: list[int], started: float) -> None:
+    """Data, model, the training loop and the output, on the device (or the devices of a --device_map)."""
     import numpy as np
     import torch
+    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
+        TrainerState,
+        geometry,
         load_checkpoint,
         prepare_output_dir,
         restore_training_state,
         rng_state,
         save_checkpoint,
         save_output,
-        trainer_state,
     )
-    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
+    from alpaca.data import (
+        DistributedGlobalBatchSampler,
+        StepCollator,
+        eval_batches,
+        give_step_counts,
+        loader_workers,
+        step_counts,
+    )
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import check_attention, describe, resolve_dtype
-    from alpaca.optim import StepPlan, build_optimizer
+    from alpaca.optim import StepSchedule, build_optimizer
     from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
     from alpaca.strategy import choose_strategy
 
@@ -93,8 +99,8 @@ def run(args, device, gpus: list[int], started: float) -> None:
         args, strategy, dtype, position)
 
     # -- optimization: global batch = per_device x 1 process x accumulation --------------------------------
-    plan = StepPlan.from_args(args, len(dataset), world_size=1)
-    optimizer, scheduler = build_optimizer(reft_model, args, plan)
+    schedule = StepSchedule.from_args(args, len(dataset), world_size=1)
+    optimizer, scheduler = build_optimizer(reft_model, args, schedule)
     step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
     if resume_from is not None:
         loaded = load_checkpoint(resume_from)
@@ -103,31 +109,39 @@ def run(args, device, gpus: list[int], started: float) -> None:
         optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
     summary = describe(reft_model, len(dataset), strategy.placed if strategy.device_map else device)
     train_model = strategy.wrap(reft_model, optimizer, scheduler, optimizer_state)
-    print(start_line(summary, plan, args, eval_dataset and len(eval_dataset),
+    print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset),
                      resume_from, step, time.perf_counter() - started))
-    resolved = dict(world_size=1, global_batch_size=plan.global_batch_size, total_steps=plan.total_steps)
+    resolved = dict(world_size=1, global_batch_size=schedule.global_batch_size, total_steps=schedule.total_steps)
     save_args(args, args.output_dir, **resolved)
     metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
     window = LogWindow(device, *saved_window[:2])
 
     def checkpoint(epoch: int, next_batch: int):
-        """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the plan."""
-        return save_checkpoint(args.output_dir, step, reft_model, trainer_state(
+        """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the global batch plan."""
+        trainer_state = TrainerState(
             step=step, epoch=epoch, next_batch=next_batch, window=window.totals().tolist(),
-            optimizer_state=optimizer.state_dict(), scheduler=scheduler, rng_states=[rng_state(gpus)], args=args,
-            world_size=1, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint),
-            args.save_total_limit)
+            optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), rng=[rng_state(gpus)],
+            geometry=geometry(args, world_size=1), seed=args.seed, num_examples=len(dataset),
+            prompt_template=args.prompt_template, wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint)
+        return save_checkpoint(args.output_dir, step, reft_model, trainer_state, args.save_total_limit)
 
-    # -- data: one item per optimizer step, its micro-batches collated (in workers, ahead of the step) -------
-    loader = step_loader(dataset, collate, args, pin_memory=device.type == "cuda")
-    sampler = loader.batch_sampler
-    eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
+    # -- data: one DataLoader item per optimizer step, the global batch of a world of one --------------------
+    lengths = np.array(dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, seed=args.seed,
+        lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    # its micro-batches collated in workers (--dataloader_num_workers), ahead of the step
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+                        collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
+                        **loader_workers(args.dataloader_num_workers))
+    eval_order = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
 
     # -- train --------------------------------------------------------------------------------------
-    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True)
+    progress = tqdm(total=schedule.total_steps, initial=step, desc="training", dynamic_ncols=True)
     eval_time, epoch = 0.0, start_epoch
     train_start = window_start = time.perf_counter()
-    while step < plan.total_steps:
+    while step < schedule.total_steps:
         sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
@@ -149,24 +163,24 @@ def run(args, device, gpus: list[int], started: float) -> None:
             grad_norm = strategy.step()
             step += 1
             progress.update()
-            if plan.should_log(step):
+            if schedule.should_log(step):
                 logged = window.totals()
                 now = time.perf_counter()
-                metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate,
+                metrics.write(train_record(step, schedule.steps_per_epoch, logged.tolist(), learning_rate,
                                            float(grad_norm), now - window_start, now - train_start), progress)
                 window.reset()
                 window_start = time.perf_counter()
-            if plan.should_evaluate(step, end_of_epoch):
+            if schedule.should_evaluate(step, end_of_epoch):
                 eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_plan, collate, device)
+                totals = evaluate(reft_model, eval_dataset, eval_order, collate, device)
                 seconds = time.perf_counter() - eval_start
-                metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset), seconds),
+                metrics.write(eval_record(step, schedule.steps_per_epoch, totals.tolist(), len(eval_dataset), seconds),
                               progress)
                 window_start += seconds  # tokens/s counts training time only
                 eval_time += seconds
-            if plan.should_save(step, end_of_epoch, args.save_strategy):
+            if schedule.should_save(step, end_of_epoch, args.save_strategy):
                 checkpoint(epoch, next_batch=index + 1)
-            if step == plan.total_steps:
+            if step == schedule.total_steps:
                 break
         epoch += 1
     progress.close()
@@ -216,8 +230,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
     if args.torch_compile:
         compile_decoder_layers(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
-    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention, args.component)
+    reft_model = build_reft_model(model, args.layers, position, args.share_weights, low_rank_dimension=args.rank,
+                                  dropout=args.dropout, intervention=args.intervention, component=args.component)
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
     fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to

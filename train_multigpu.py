@@ -5,12 +5,18 @@
     accelerate launch --num_processes 8 train_multigpu.py ...
     python train_multigpu.py ...         # one process
 
-Every rank walks the same global batch plan as train.py (per_device x world_size x accumulation examples
+Every rank walks the same global batch schedule as train.py (per_device x world_size x accumulation examples
 a step) and takes its own share of each global batch; the loss is weighted by the label tokens of the
 whole global batch. So N processes compute the gradient one process computes, and train the same model.
 """
 
+import contextlib
+import datetime
+import gc
 import os
+import socket
+import sys
+import time
 
 from alpaca.args import exit_on_usage_error, parse_args, wait_for_launcher
 from alpaca.errors import UsageError
@@ -21,24 +27,21 @@ PROG = "train_multigpu.py"
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(PROG, argv, multigpu=True)  # before the heavy imports: --help and usage errors are instant
     try:
-        train(args)
+        train_in_process_group(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
 
-def train(args) -> None:
-    """The process group's life: create it, run the training, destroy it."""
-    import socket
-    import sys
-    import time
-
+def train_in_process_group(args) -> None:
+    """This process's device(s), then the process group's life: created, the training run in it, destroyed."""
     import torch
+    import torch.distributed as dist
 
     from alpaca.device_map import gpu_group
-    from alpaca.distributed import process_group
+    from alpaca.distributed import releasing_process_group
 
     started = time.perf_counter()
-    # -- process group: torchrun / accelerate set these; plain `python` is a world of one ----------------
+    # -- launch environment: torchrun / accelerate set these; plain `python` is a world of one ------------
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -73,39 +76,61 @@ def train(args) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
+
+    # -- process group --------------------------------------------------------------------------------
     backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
-    with process_group(backend, args.ddp_timeout, device):
-        run(args, device, gpus, backend, started)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        with releasing_process_group():  # what holds the group lets go of it, however training ends
+            train(args, device, gpus, backend, started)
+    finally:
+        dist.destroy_process_group()
+        gc.collect()  # FSDP's sharded modules can become collectable only once the group is gone
 
 
-def run(args, device, gpus: list[int], backend: str, started: float) -> None:
-    """Everything between the process group's creation and its destruction."""
-    import sys
-    import time
-
+def train(args, device, gpus: list[int], backend: str, started: float) -> None:
+    """Data, model, the training loop and the output, on every rank of the process group."""
     import numpy as np
     import torch
     import torch.distributed as dist
+    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
     from alpaca.checkpoint import (
         StopSignal,
+        TrainerState,
+        geometry,
         load_checkpoint,
         prepare_output_dir,
         restore_training_state,
         rng_state,
         save_checkpoint,
         save_output,
-        trainer_state,
     )
-    from alpaca.data import eval_batches, give_step_counts, step_counts, step_loader
-    from alpaca.distributed import main_rank_result, run_checked
+    from alpaca.data import (
+        DistributedGlobalBatchSampler,
+        StepCollator,
+        eval_batches,
+        give_step_counts,
+        loader_workers,
+        step_counts,
+    )
+    from alpaca.distributed import gather_rank_report, main_rank_result, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate
     from alpaca.model import check_attention, describe, resolve_dtype
-    from alpaca.optim import StepPlan, build_optimizer
-    from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+    from alpaca.optim import StepSchedule, build_optimizer
+    from alpaca.output import (
+        LogWindow,
+        MetricsLog,
+        eval_record,
+        quiet_non_main_rank,
+        save_args,
+        start_line,
+        train_record,
+    )
     from alpaca.strategy import choose_strategy, local_parameter_bytes
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -125,8 +150,8 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
         args, strategy, dtype, position, device)
 
     # -- optimization: global batch = per_device x world_size x accumulation, train.py's with one process ----
-    plan = StepPlan.from_args(args, len(dataset), world_size)
-    optimizer, scheduler = build_optimizer(reft_model, args, plan)
+    schedule = StepSchedule.from_args(args, len(dataset), world_size)
+    optimizer, scheduler = build_optimizer(reft_model, args, schedule)
     step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
     if resume_from is not None:
         loaded = main_rank_result(lambda: load_checkpoint(resume_from), is_main, device)
@@ -139,10 +164,10 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
     metrics = None  # rank 0's
     if is_main:
         placement = f" | {backend} | base model {strategy.layout}: {base_bytes / 2**20:.1f} MiB of parameters on rank 0"
-        print(start_line(summary, plan, args, eval_dataset and len(eval_dataset), resume_from, step,
+        print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset), resume_from, step,
                          time.perf_counter() - started, world_size, placement), flush=True)
-        resolved = dict(world_size=world_size, global_batch_size=plan.global_batch_size,
-                        total_steps=plan.total_steps, base_parameter_bytes_per_rank=base_bytes)
+        resolved = dict(world_size=world_size, global_batch_size=schedule.global_batch_size,
+                        total_steps=schedule.total_steps, base_parameter_bytes_per_rank=base_bytes)
         save_args(args, args.output_dir, **resolved)
         metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
     window = LogWindow(device, *saved_window[:2])
@@ -151,31 +176,40 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
         """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
         rng_states = [None] * world_size
         dist.all_gather_object(rng_states, rng_state(gpus))
-        global_window = window.totals()  # the logging window so far, summed over ranks
-        dist.all_reduce(global_window)
-        optimizer_state = strategy.optimizer_state()  # under DeepSpeed, assembled from the partitions
+        logged_so_far = window.totals()  # the logging window so far, summed over ranks
+        dist.all_reduce(logged_so_far)
+        trainer_state = TrainerState(
+            step=step, epoch=epoch, next_batch=next_batch, window=logged_so_far.tolist(),
+            optimizer=strategy.optimizer_state(),  # under DeepSpeed, assembled from the partitions
+            scheduler=scheduler.state_dict(), rng=rng_states, geometry=geometry(args, world_size), seed=args.seed,
+            num_examples=len(dataset), prompt_template=args.prompt_template,
+            wandb_run_id=metrics.wandb_run_id if is_main else None, fingerprint=fingerprint)
         with strategy.gathered():
-            return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state(
-                step=step, epoch=epoch, next_batch=next_batch, window=global_window.tolist(),
-                optimizer_state=optimizer_state, scheduler=scheduler, rng_states=rng_states, args=args,
-                world_size=world_size, num_examples=len(dataset), wandb_run_id=metrics.wandb_run_id,
-                fingerprint=fingerprint), args.save_total_limit), participate=is_main, device=device)
+            return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state,
+                                                       args.save_total_limit), participate=is_main, device=device)
 
-    # -- data: each rank's share of each global batch, one item per optimizer step, collated in workers ------
-    loader = step_loader(dataset, collate, args, device.type == "cuda", num_replicas=world_size, rank=rank)
-    sampler = loader.batch_sampler
+    # -- data: each rank's share of each global batch, one DataLoader item per optimizer step -----------------
+    lengths = np.array(dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, num_replicas=world_size,
+        rank=rank, seed=args.seed, lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    # its micro-batches collated in workers (--dataloader_num_workers), ahead of the step
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+                        collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
+                        **loader_workers(args.dataloader_num_workers))
     placeholder = collate([dataset[0]])  # run at zero weight where a rank's share of a global batch falls short
-    eval_plan = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
+    eval_order = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
     # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
     host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
 
     # -- train ------------------------------------------------------------------------------------
-    progress = tqdm(total=plan.total_steps, initial=step, desc="training", dynamic_ncols=True,
+    progress = tqdm(total=schedule.total_steps, initial=step, desc="training", dynamic_ncols=True,
                     disable=not is_main)
     eval_time, epoch = 0.0, start_epoch
     dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
     train_start = window_start = time.perf_counter()
-    while step < plan.total_steps:
+    while step < schedule.total_steps:
         sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
@@ -200,29 +234,29 @@ def run(args, device, gpus: list[int], backend: str, started: float) -> None:
             grad_norm = strategy.step()
             step += 1
             progress.update()
-            if plan.should_log(step):
+            if schedule.should_log(step):
                 logged = window.totals()
                 dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
                 if is_main:
                     now = time.perf_counter()
-                    metrics.write(train_record(step, plan.steps_per_epoch, logged.tolist(), learning_rate,
+                    metrics.write(train_record(step, schedule.steps_per_epoch, logged.tolist(), learning_rate,
                                                float(grad_norm), now - window_start, now - train_start), progress)
                 window.reset()
                 window_start = time.perf_counter()
-            if plan.should_evaluate(step, end_of_epoch):
+            if schedule.should_evaluate(step, end_of_epoch):
                 eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_plan, collate, device, rank, world_size,
+                totals = evaluate(reft_model, eval_dataset, eval_order, collate, device, rank, world_size,
                                   strategy.shards_base)
                 dist.all_reduce(totals)  # every eval example counted once, weighted by its label tokens
                 seconds = time.perf_counter() - eval_start
                 if is_main:
-                    metrics.write(eval_record(step, plan.steps_per_epoch, totals.tolist(), len(eval_dataset),
+                    metrics.write(eval_record(step, schedule.steps_per_epoch, totals.tolist(), len(eval_dataset),
                                               seconds), progress)
                 window_start += seconds  # tokens/s counts training time only
                 eval_time += seconds
-            if plan.should_save(step, end_of_epoch, args.save_strategy):
+            if schedule.should_save(step, end_of_epoch, args.save_strategy):
                 checkpoint(epoch, next_batch=index + 1)
-            if step == plan.total_steps:
+            if step == schedule.total_steps:
                 break
         epoch += 1
     progress.close()
@@ -254,8 +288,6 @@ def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps:
     the most packs of any rank) runs zero-weight placeholders, as many as the strategy's collectives need;
     they draw no dropout masks (the RNG states of the host and of the process's `gpus` are put back), so the
     real micro-batches draw the same ones under every strategy."""
-    import contextlib
-
     import torch
     import torch.distributed as dist
 
@@ -311,48 +343,13 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     if args.torch_compile:
         compile_decoder_layers(model)
     torch.manual_seed(args.seed)  # the same initial interventions on every rank (and as in train.py)
-    reft_model = build_reft_model(model, args.layers, position, args.share_weights, args.rank, args.dropout,
-                                  args.intervention, args.component)
+    reft_model = build_reft_model(model, args.layers, position, args.share_weights, low_rank_dimension=args.rank,
+                                  dropout=args.dropout, intervention=args.intervention, component=args.component)
     torch.manual_seed(args.seed + rank)  # dropout differs per rank, like the data each rank sees
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
     fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to
     return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint
-
-
-def gather_rank_report(tokens_per_s: float, base_bytes: int, device) -> str:
-    """Tokens/s, peak memory and base parameter bytes of every rank, on every rank (a collective)."""
-    import resource
-
-    import torch
-    import torch.distributed as dist
-
-    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    per_rank = torch.tensor([tokens_per_s, peak_memory, base_bytes], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, per_rank)
-    rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
-                      for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
-    return f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates})"
-
-
-def quiet_non_main_rank() -> None:
-    """Ranks other than 0 print errors only: no stdout, progress bars or library warnings."""
-    import logging
-    import sys
-    import warnings
-
-    import datasets
-    import transformers
-
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    warnings.filterwarnings("ignore")
-    logging.getLogger().setLevel(logging.ERROR)  # pyvene warns through the root logger
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from alpaca.data import records_fingerprint
 from alpaca.errors import StorageError, UsageError
 from alpaca.manifest import files_problem, read_manifest, write_manifest
 from alpaca.model import model_fingerprint
-from alpaca.optim import StepPlan
+from alpaca.optim import StepSchedule
 from alpaca.output import ARGS_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
@@ -44,6 +45,26 @@ INTERVENTIONS_STATE = "interventions.pt"
 TRAINER_STATE = "trainer_state.pt"  # the tensors: optimizer, scheduler, RNG states
 TRAINER_STATE_JSON = "trainer_state.json"  # the plain values
 TENSOR_STATE_KEYS = ("optimizer", "scheduler", "rng")
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds besides the interventions: everything an exact resume needs, and what the run is
+    bound to. The tensors (TENSOR_STATE_KEYS) go to trainer_state.pt, the plain values to trainer_state.json."""
+
+    step: int  # optimizer steps done
+    epoch: int
+    next_batch: int  # training goes on at this global batch of the epoch
+    window: list[float]  # the logging window so far, summed over ranks: (summed loss, label tokens, tokens)
+    optimizer: dict  # torch's optimizer.state_dict() (under DeepSpeed: alpaca.deepspeed.optimizer_state, the same)
+    scheduler: dict
+    rng: list[dict[str, torch.Tensor]]  # every rank's random generators (rng_state), in rank order
+    geometry: dict  # the global batch and how it was made up (geometry)
+    seed: int
+    num_examples: int
+    prompt_template: str
+    wandb_run_id: str | None
+    fingerprint: dict  # the data, base model and flags the run is bound to (training_fingerprint)
 
 
 def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
@@ -124,7 +145,7 @@ def step_of(path: Path) -> int:
     return int(match[1]) if match else -1
 
 
-def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, trainer_state: dict,
+def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, trainer_state: TrainerState,
                     save_total_limit: int | None = None) -> Path:
     """Write checkpoint-<step> atomically, then delete the oldest beyond `save_total_limit`.
 
@@ -133,11 +154,12 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, traine
     output_dir = Path(output_dir)
     final = output_dir / f"{PREFIX}{step}"
     staging = output_dir / f".{PREFIX}{step}.staging-{os.getpid()}"
+    state = vars(trainer_state)
     contents = {
         INTERVENTIONS_STATE: tensor_bytes(intervention_states(reft_model)),
-        TRAINER_STATE: tensor_bytes({key: trainer_state[key] for key in TENSOR_STATE_KEYS}),
-        TRAINER_STATE_JSON: json.dumps({key: value for key, value in trainer_state.items()
-                                        if key not in TENSOR_STATE_KEYS}, indent=2).encode(),
+        TRAINER_STATE: tensor_bytes({key: state[key] for key in TENSOR_STATE_KEYS}),
+        TRAINER_STATE_JSON: json.dumps({key: value for key, value in state.items() if key not in TENSOR_STATE_KEYS},
+                                       indent=2).encode(),
     }
     shutil.rmtree(staging, ignore_errors=True)
     try:
@@ -270,9 +292,10 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     (training_fingerprint), which must be the checkpoint's."""
     states, saved = checkpoint
     check_resumable(saved, args, world_size, num_examples)
-    load_intervention_states(reft_model, states)  # the same layers, positions' layout, rank and initialization
+    # the same layers, positions' layout, low-rank dimension and initialization
+    load_intervention_states(reft_model, states)
     check_fingerprint(saved.get("fingerprint"), fingerprint, args)
-    total_steps = StepPlan.from_args(args, num_examples, world_size).total_steps
+    total_steps = StepSchedule.from_args(args, num_examples, world_size).total_steps
     if saved["step"] >= total_steps:
         raise UsageError(f"the checkpoint is at step {saved['step']} and this run ends at step {total_steps}: "
                          "nothing to train; raise --max_steps or --num_train_epochs (the checkpoint loads as an "
@@ -404,18 +427,6 @@ def remove_stale_staging(output_dir: str | os.PathLike) -> None:
     for pattern in (f".{PREFIX}*.staging-*", ".staging-*"):
         for path in Path(output_dir).glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def trainer_state(*, step: int, epoch: int, next_batch: int, window: list[float], optimizer_state: dict, scheduler,
-                  rng_states: list[dict], args: argparse.Namespace, world_size: int, num_examples: int,
-                  wandb_run_id: str | None, fingerprint: dict) -> dict:
-    """Everything besides the interventions that an exact resume needs, and what the run is bound to
-    (training_fingerprint). `optimizer_state` is torch's `optimizer.state_dict()` (under DeepSpeed:
-    alpaca.deepspeed.optimizer_state, the same format)."""
-    return {"step": step, "epoch": epoch, "next_batch": next_batch, "window": window,
-            "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_states,
-            "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
-            "prompt_template": args.prompt_template, "wandb_run_id": wandb_run_id, "fingerprint": fingerprint}
 
 
 class StopSignal:

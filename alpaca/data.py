@@ -8,11 +8,14 @@ import inspect
 import json
 import math
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
+import torch
 from torch.utils.data import Sampler
 
 from alpaca.args import CONVERSATION_FIELD, RECORD_FIELDS, cache_root
@@ -201,8 +204,6 @@ def check_records(records: list[dict], source: str) -> None:
 def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None):
     """Alpaca records or conversations from a local .json/.jsonl file or an HF hub dataset, as a
     `datasets.Dataset`. `field_map` renames fields first (--field_map)."""
-    import datasets
-
     field_map = field_map or {}
     if os.path.isfile(data_path):
         records = [{field_map.get(key, key): value for key, value in record.items()} if isinstance(record, dict)
@@ -319,8 +320,6 @@ def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | 
     """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
     load it in a second instead of tokenizing again. The cache is checked against its manifest when read, and
     tokenized again if it is damaged."""
-    import datasets
-
     def build(directory: Path) -> None:
         tokenize(records, tokenizer, model_max_length, prompt_template).save_to_disk(str(directory))
 
@@ -410,7 +409,7 @@ class Collator:
 
     def example_labels(self, example: dict[str, Any], ids):
         """The tokens the loss is on: every token after the prompt (the answer and eos), and in a conversation
-        its earlier assistant turns (`label_spans`). The loss's window and the step's label count are derived
+        its earlier assistant turns (`label_spans`). The loss's kept logits and the step's label count are derived
         from these, so this is the one place to change them."""
         labels = ids.clone()
         labels[: example["prompt_length"]] = IGNORE_INDEX
@@ -419,8 +418,6 @@ class Collator:
         return labels
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        import torch
-
         longest = max(len(example["input_ids"]) for example in examples)
         width = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
@@ -451,8 +448,6 @@ class Collator:
         gives them). Each example's labels and intervention windows are its own, moved to where it starts; its
         first token is not a label (the token before it is another example's), so the seams predict nothing.
         Every per-token loss and gradient is the padded layout's (tests/test_loss.py)."""
-        import torch
-
         lengths = [len(example["input_ids"]) for example in examples]
         starts = np.cumsum([0, *lengths[:-1]]).tolist()
         used = sum(lengths)
@@ -481,7 +476,7 @@ class Collator:
 
     def labels_and_locations(self, labels, locations: list, examples: list[dict[str, Any]]) -> dict[str, Any]:
         """What a micro-batch carries besides its tokens: labels, intervention locations and their mask, the loss's
-        window and the counts, from `labels` and `locations` (whose padding position is the last column)."""
+        kept logits and the counts, from `labels` and `locations` (whose padding position is the last column)."""
         width = labels.shape[1]
         labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         first_label = int(labelled_columns[0]) if len(labelled_columns) else width
@@ -495,7 +490,7 @@ class Collator:
             # every hook of every forward: see `token_losses`.
             "intervention_locations": locations,
             "intervention_mask": intervention_mask,
-            # The loss's window (logits_to_keep) and the label count both come from `labels`, whatever marks
+            # The loss's kept logits (logits_to_keep) and the label count both come from `labels`, whatever marks
             # them: a label can never be counted yet fall outside the logits kept. Counted here, on the
             # host, so that the training step never reads them back from the device.
             "first_label_position": first_label,
@@ -540,7 +535,7 @@ def packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 @dataclass
 class StepCollator:
-    """A DataLoader's collate_fn for `GlobalBatchSampler`: this rank's share of one global batch (its
+    """A DataLoader's collate_fn for `DistributedGlobalBatchSampler`: this rank's share of one global batch (its
     micro-batches, concatenated) -> the list of its collated micro-batches, empty for an empty share.
 
     Only the last micro-batch of a share can be partial (see `rank_micro_batches`), so cutting the share
@@ -590,7 +585,7 @@ def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: 
     return [batches[i] for i in rng.permutation(len(batches))] if shuffle else batches
 
 
-class GlobalBatchSampler(Sampler[list[int]]):
+class DistributedGlobalBatchSampler(Sampler[list[int]]):
     """The global batch plan as a DataLoader `batch_sampler`, with DistributedSampler's interface
     (num_replicas, rank, shuffle, seed, set_epoch) and a resume position (`set_start`).
 
@@ -676,27 +671,17 @@ def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     return math.ceil(num_examples / global_batch_size)
 
 
-def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas: int = 1, rank: int = 0):
-    """A DataLoader of one item per optimizer step: this rank's micro-batches of it, collated (in workers with
-    --dataloader_num_workers, ahead of the step). Its `batch_sampler` is the plan: set_epoch, set_start."""
-    from torch import Generator
-    from torch.utils.data import DataLoader
-
-    lengths, packing_max_tokens = np.array(dataset["length"]), args.packing_max_tokens  # None: no --packing
-    sampler = GlobalBatchSampler(len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                                 num_replicas=num_replicas, rank=rank, shuffle=True, seed=args.seed,
-                                 lengths=lengths if args.group_by_length else None,
-                                 packing=(lengths, packing_max_tokens) if packing_max_tokens else None)
-    return DataLoader(dataset, batch_sampler=sampler,
-                      collate_fn=StepCollator(collate, args.per_device_train_batch_size, packing_max_tokens),
-                      num_workers=args.dataloader_num_workers, pin_memory=pin_memory,
-                      # Workers end with each epoch's iterator. A persistent iterator lives as long as the
-                      # DataLoader; left to the garbage collector (a reference cycle), it finds its workers' queues
-                      # already closed, and the workers, which ignore SIGTERM, then hang the process at exit.
-                      persistent_workers=False, worker_init_fn=dataloader_worker_init,
-                      # Each epoch's iterator draws a seed for its workers: from this generator, not from the
-                      # global RNG, whose stream (dropout) a resumed run must continue exactly.
-                      generator=Generator())
+def loader_workers(num_workers: int) -> dict[str, Any]:
+    """A training DataLoader's settings for its `num_workers` workers (--dataloader_num_workers), which collate
+    the steps ahead of the training loop."""
+    return dict(num_workers=num_workers,
+                # Workers end with each epoch's iterator. A persistent iterator lives as long as the DataLoader;
+                # left to the garbage collector (a reference cycle), it finds its workers' queues already closed,
+                # and the workers, which ignore SIGTERM, then hang the process at exit.
+                persistent_workers=False, worker_init_fn=dataloader_worker_init,
+                # Each epoch's iterator draws a seed for its workers: from this generator, not from the global
+                # RNG, whose stream (dropout) a resumed run must continue exactly.
+                generator=torch.Generator())
 
 
 def dataloader_worker_init(worker_id: int) -> None:
@@ -704,7 +689,5 @@ def dataloader_worker_init(worker_id: int) -> None:
     job, workers included; a worker dying of it would fail the step that waits for its batch before
     the main process, which handles the signal (checkpoint.StopSignal), could checkpoint. The main
     process ends its workers itself, and a worker whose parent is gone exits on its own."""
-    import signal
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -2,7 +2,7 @@
 
 The config is HF's (`examples/deepspeed/`): "auto" values are filled from our flags (the bucket sizes of
 ZeRO-3 from the model's hidden size, as HF does), and values that disagree with the flags are refused. The
-optimizer and the schedule are ours (the flags), so are the step plan, the batches and the token-weighted
+optimizer and the schedule are ours (the flags), so are the step schedule, the batches and the token-weighted
 loss: DeepSpeed partitions (ZeRO-1: the optimizer state, ZeRO-2: and the gradients, ZeRO-3: and the
 parameters, the frozen base's included), reduces, clips and steps.
 
@@ -28,13 +28,28 @@ bf16 under ZeRO-3). fp16 would need loss scaling, which these scripts do not run
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
+import warnings
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+from torch.nn.utils import parametrize
 
 from alpaca.deepspeed_config import stage
 from alpaca.errors import UsageError
+from alpaca.layers import decoder_layers
+from alpaca.sharding import check_loaded, checkpoint_index, place_buffers, read_elements
+
+
+def deepspeed_package():
+    """DeepSpeed, imported at its first use: its import takes seconds and logs a line, and only --deepspeed runs
+    need it (alpaca.strategy imports this module for every run)."""
+    import deepspeed
+    import deepspeed.runtime.zero.linear  # noqa: F401 - ZeRO-3's linear function, looked up as an attribute
+
+    return deepspeed
 
 
 def check_for_device(config: dict, path: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -77,20 +92,13 @@ def one_layer_parameters(model) -> int:
     parameters stay gathered when they are used again within that many, as a layer recomputed for the backward
     under --gradient_checkpointing is; DeepSpeed's default, 1e9, is about one layer of a 70B model (0.86e9),
     and all of any model below 1B parameters, which it then keeps gathered from the forward to the backward."""
-    from alpaca.model import decoder_layers
-
     return sum(parameter.numel() for parameter in decoder_layers(model)[0].parameters())
 
 
 def start(config: dict, model, device: torch.device) -> None:
     """What DeepSpeed needs before its first call: the config's model-sized "auto" values, its view of the
     process group, and on a CPU no compiler run."""
-    import importlib
-    import warnings
-
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
+    deepspeed = deepspeed_package()
     zero = config["zero_optimization"]
     if device.type == "cpu":
         # DeepSpeed's CPU backend JIT-compiles (g++) a shared-memory all-reduce as it starts, for its inference
@@ -107,7 +115,7 @@ def start(config: dict, model, device: torch.device) -> None:
                             category=FutureWarning)
     deepspeed.utils.logger.setLevel("WARNING")
     # over our process group, as deepspeed.initialize does; zero.Init reads the world size from it
-    deepspeed.init_distributed(get_accelerator().communication_backend_name())
+    deepspeed.init_distributed(deepspeed.accelerator.get_accelerator().communication_backend_name())
 
 
 def partition_base(model, model_name_or_path: str, config: dict, device: torch.device,
@@ -120,11 +128,7 @@ def partition_base(model, model_name_or_path: str, config: dict, device: torch.d
     memory, so the largest module (the embeddings) is whole for a moment, as in every forward. Each rank then
     fills its partition, elements [r n, (r + 1) n) of the flattened tensor (DeepSpeed's layout; the last
     partition padded), from the files."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from alpaca.sharding import check_loaded, checkpoint_index, place_buffers, read_elements
-
+    deepspeed = deepspeed_package()
     index = checkpoint_index(model, model_name_or_path, cache_dir, "ZeRO-3")
     place_buffers(model, dict(model.named_buffers()), index, device)
     for module in reversed(list(model.modules())):  # children first: zero.Init converts a module's whole subtree
@@ -143,9 +147,8 @@ def partition_base(model, model_name_or_path: str, config: dict, device: torch.d
                 partition[:stop - start].copy_(read_elements(index[name], name, start, stop))
     check_loaded(model)
     keep_tied_embeddings_gathered(model)
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap
-
-    if torch.nn.functional.linear is zero3_linear_wrap:  # installed by zero.Init, for the whole process
+    # ZeRO-3's linear function is installed by zero.Init, for the whole process
+    if torch.nn.functional.linear is deepspeed.runtime.zero.linear.zero3_linear_wrap:
         torch.nn.functional.linear = frozen_weight_linear()
 
 
@@ -167,7 +170,7 @@ def frozen_weight_linear():
     weight, so that the backward gathers it again) saves the input for the weight's gradient also where the
     weight is frozen: one activation per linear of every layer the gradient flows through. This one keeps it
     only for a weight that needs a gradient, as torch's linear does; the rest is DeepSpeed's (0.19.8)."""
-    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+    LinearFunctionForZeroStage3 = deepspeed_package().runtime.zero.linear.LinearFunctionForZeroStage3
 
     class FrozenWeightLinear(LinearFunctionForZeroStage3):
         @staticmethod
@@ -185,8 +188,7 @@ def frozen_weight_linear():
 def initialize(reft_model, optimizer, scheduler, config: dict):
     """The DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
     partitions the interventions across the ranks (`partition_base` has partitioned the base)."""
-    import deepspeed
-
+    deepspeed = deepspeed_package()
     engine, *_ = deepspeed.initialize(model=ReftModule(reft_model), optimizer=optimizer, lr_scheduler=scheduler,
                                       config=config)
     return engine
@@ -213,9 +215,7 @@ def gathered(module: torch.nn.Module, config: dict | None) -> Iterator[None]:
     if config is None or stage(config) != 3:
         yield
         return
-    import deepspeed
-    from torch.nn.utils import parametrize
-
+    deepspeed = deepspeed_package()
     with parametrize.cached(), torch.no_grad():
         for submodule in module.modules():
             if parametrize.is_parametrized(submodule):
@@ -243,8 +243,7 @@ def optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_groups: 
     """What `optimizer.state_dict()` is without DeepSpeed (torch's AdamW: per parameter, numbered in the order
     of `parameter_groups`, its step, exp_avg and exp_avg_sq), assembled from the partitions. A collective:
     every rank calls it. `optimizer` is ours, which DeepSpeed steps on its flat partitions."""
-    from deepspeed.utils import safe_get_full_optimizer_state
-
+    safe_get_full_optimizer_state = deepspeed_package().utils.safe_get_full_optimizer_state
     groups, start = [], 0
     for group, members in zip(optimizer.param_groups, parameter_groups, strict=True):
         groups.append({**{key: value for key, value in group.items() if key != "params"},
@@ -265,8 +264,7 @@ def load_optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_gro
                          saved: dict) -> None:
     """Spread an optimizer state of `optimizer_state` (or of torch's AdamW under DDP: the same format) over
     the partitions. A collective: every rank calls it."""
-    from deepspeed.utils import safe_set_full_optimizer_state
-
+    safe_set_full_optimizer_state = deepspeed_package().utils.safe_set_full_optimizer_state
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
         group.update({key: value for key, value in saved_group.items() if key != "params"})
     if not saved["state"]:

@@ -12,9 +12,11 @@ activation's device, and the logits stay where the head computed them (the loss 
 from __future__ import annotations
 
 import torch
+from accelerate.utils import get_max_memory
 
 from alpaca.errors import UsageError
-from alpaca.workarounds import index_tensors_on
+from alpaca.sharding import empty_base_model
+from alpaca.workarounds import index_tensors_on, pyvene
 
 
 def gpu_group(local_rank: int, processes: int, gpus: int) -> list[int]:
@@ -57,8 +59,6 @@ class DeviceMap:
             kwargs["max_memory"] = {self.on_node(device, "--max_memory"): size
                                     for device, size in self.max_memory.items()}
         elif torch.cuda.is_available():
-            from accelerate.utils import get_max_memory
-
             free = get_max_memory()  # every visible GPU's and the CPU's: keep this process's GPUs
             kwargs["max_memory"] = {device: size for device, size in free.items()
                                     if device in self.gpus or not isinstance(device, int)}
@@ -89,8 +89,6 @@ def check_covers(device_map: dict, model_path: str, dtype: torch.dtype, cache_di
     """Every name of a JSON map is a module or tensor of the model, and every tensor of its state dict (a tied
     LM head's too, as accelerate checks) and every buffer is placed by one: accelerate would silently skip an
     unknown name, and leave an unplaced buffer (rotary tables) where it was built."""
-    from alpaca.sharding import empty_base_model
-
     model = empty_base_model(model_path, dtype, cache_dir)
     tensors = list(dict.fromkeys([*model.state_dict(keep_vars=True), *(name for name, _ in model.named_buffers())]))
     known = {name for name, _ in model.named_modules()} | set(tensors)
@@ -109,8 +107,6 @@ def check_covers(device_map: dict, model_path: str, dtype: torch.dtype, cache_di
 def hooked_module_name(reft_model, key: str) -> str:
     """The dotted name of the module whose output the intervention `key` acts on, from pyvene's table
     ('model.layers[%s]' -> 'model.layers.3')."""
-    import pyvene
-
     representation = reft_model.representations[key]
     path = pyvene.type_to_module_mapping[type(reft_model.model)][representation.component][0]
     return (path % representation.layer).replace("[", ".").replace("]", "")
@@ -127,14 +123,6 @@ def execution_device(model, name: str) -> torch.device:
             if device is not None:
                 return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     return next(model.get_submodule(name).parameters()).device
-
-
-def offloaded(module) -> bool:
-    """Whether accelerate brings the module's weights in for each forward and drops them after (a map put it on
-    disk, or on the CPU of a process with GPUs): an AlignDevicesHook with `offload` on it or a submodule."""
-    hooks = [submodule._hf_hook for submodule in module.modules() if hasattr(submodule, "_hf_hook")]
-    return any(getattr(single, "offload", False) for hook in hooks
-               for single in getattr(hook, "hooks", [hook]))  # a SequentialHook holds several
 
 
 def input_device(model) -> torch.device:

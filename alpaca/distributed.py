@@ -1,10 +1,11 @@
-"""The process group's life, and small collectives that keep every rank in step when one of them fails."""
+"""Letting go of the process group before it is destroyed, and small collectives that keep every rank in step
+when one of them fails."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
+import resource
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -13,6 +14,11 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+# Its functions' default `group=group.WORLD` is the group itself when imported while one exists (transformers and
+# FSDP import it): imported here, before any process group exists.
+import torch.distributed.nn  # noqa: F401
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
 from alpaca.errors import UsageError
 
 T = TypeVar("T")
@@ -20,20 +26,15 @@ OK, FAILED = 0, 1
 
 
 @contextlib.contextmanager
-def process_group(backend: str, timeout_s: float, device: torch.device) -> Iterator[None]:
-    """The default process group for the block: created, then destroyed however the block ends.
+def releasing_process_group() -> Iterator[None]:
+    """Around everything that uses the process group, inside init_process_group / destroy_process_group: what
+    holds the group is released when the block ends, however it ends.
 
     destroy_process_group frees the group only once nothing else holds it, and a group that survives it
     keeps gloo's threads running into interpreter exit, where they can abort a process that has finished
-    ("terminate called without an active exception"). So what holds it is released first.
+    ("terminate called without an active exception"). After destroy_process_group, a gc.collect() frees
+    FSDP's sharded modules, which can become collectable only once the group is gone.
     """
-    # Its functions' default `group=group.WORLD` is the group itself when imported while one exists
-    # (transformers and FSDP import it): import it before.
-    import torch.distributed.nn  # noqa: F401
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
     try:
         yield
     except BaseException as error:  # a stop signal or an error: its traceback keeps the block's locals (DDP)
@@ -42,8 +43,6 @@ def process_group(backend: str, timeout_s: float, device: torch.device) -> Itera
     finally:
         _clear_sharding_prop_cache()  # DTensor's caches keep FSDP's device mesh, which keeps the group
         gc.collect()  # the block's objects in reference cycles
-        dist.destroy_process_group()
-        gc.collect()  # FSDP's sharded modules can become collectable only once the group is gone
 
 
 def agree(status: int, device: torch.device) -> int:
@@ -87,3 +86,15 @@ def first_on_local_main(fn: Callable[[], T], local_rank: int, device: torch.devi
     the others, which find the cache. A failure on the first ones stops every rank at once."""
     result = run_checked(fn, participate=local_rank == 0, device=device)
     return result if local_rank == 0 else fn()
+
+
+def gather_rank_report(tokens_per_s: float, base_bytes: int, device) -> str:
+    """Tokens/s, peak memory and base parameter bytes of every rank, on every rank (a collective)."""
+    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    per_rank = torch.tensor([tokens_per_s, peak_memory, base_bytes], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, per_rank)
+    rates = ", ".join(f"rank {r}: {t:.0f} tok/s, peak {m / 2**30:.2f} GiB, base {b / 2**20:.1f} MiB"
+                      for r, (t, m, b) in enumerate(row.tolist() for row in gathered))
+    return f"{sum(row[0].item() for row in gathered):.0f} tokens/s in all ({rates})"

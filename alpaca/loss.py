@@ -44,7 +44,7 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     # already there, a copy on the device. So they go there once per micro-batch, asynchronously.
     locations = [torch.as_tensor(window).to(device, non_blocking=True) for window in batch["intervention_locations"]]
     _, outputs = reft_model(inputs, unit_locations={"sources->base": (None, locations)})
-    # Position t predicts label t + 1; the kept window's first columns may precede the first predicting one.
+    # Position t predicts label t + 1; the first kept logits' columns may precede the first predicting one.
     logits = outputs.logits[:, batch["first_label_position"] - 1 - first_kept : -1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # cross-entropy of bf16 logits in fp32
     # where the head computed the logits (a device map's last device, alpaca.device_map)
@@ -70,9 +70,9 @@ def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world
 
 
 @torch.no_grad()
-def evaluate(reft_model, dataset, eval_plan: list[list[int]], collate, device: torch.device, rank: int = 0,
+def evaluate(reft_model, dataset, eval_order: list[list[int]], collate, device: torch.device, rank: int = 0,
              world_size: int = 1, sharded_base: bool = False) -> torch.Tensor:
-    """(summed token loss, label tokens) over this rank's batches of `eval_plan` (every world_size-th), in
+    """(summed token loss, label tokens) over this rank's batches of `eval_order` (every world_size-th), in
     float64 on `device`, with the interventions in eval mode (no dropout). Ranks all-reduce these two
     numbers: the eval loss is their ratio.
 
@@ -84,8 +84,8 @@ def evaluate(reft_model, dataset, eval_plan: list[list[int]], collate, device: t
         give_step_counts([batch], step_counts([batch]))  # each batch is a step of its own, on any number of ranks
         return batch
 
-    batches = eval_plan[rank::world_size]
-    num_forwards = -(-len(eval_plan) // world_size) if sharded_base else len(batches)
+    batches = eval_order[rank::world_size]
+    num_forwards = -(-len(eval_order) // world_size) if sharded_base else len(batches)
     set_train_mode(reft_model, False)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     try:

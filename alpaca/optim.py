@@ -1,4 +1,5 @@
-"""Optimizer, schedule and the step plan shared by both scripts."""
+"""Optimizer, learning-rate schedule and the step schedule (how many steps; when to log, evaluate, save) shared
+by both scripts."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers import get_scheduler
 
 from alpaca.data import steps_per_epoch
 from alpaca.model import optimizer_param_groups
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepSchedule:
     global_batch_size: int  # per_device x world_size x accumulation: the same for 1 and N processes
     steps_per_epoch: int
     total_steps: int
@@ -24,7 +26,7 @@ class StepPlan:
     eval_interval: int = 1
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, num_examples: int, world_size: int) -> StepPlan:
+    def from_args(cls, args: argparse.Namespace, num_examples: int, world_size: int) -> StepSchedule:
         global_batch_size = args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps
         epoch_steps = steps_per_epoch(num_examples, global_batch_size)
         total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * epoch_steps)
@@ -57,15 +59,13 @@ class StepPlan:
         return end_of_epoch if save_strategy == "epoch" else step % self.save_interval == 0
 
 
-def build_optimizer(reft_model, args: argparse.Namespace, plan: StepPlan):
+def build_optimizer(reft_model, args: argparse.Namespace, schedule: StepSchedule):
     """AdamW (rotation and biases without weight decay) and the HF schedule named by --lr_scheduler_type."""
-    from transformers import get_scheduler
-
     optimizer = torch.optim.AdamW(optimizer_param_groups(reft_model, args.weight_decay), lr=args.learning_rate,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                   fused=True if args.optim == "adamw_torch_fused" else None)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=plan.warmup_steps,
-                              num_training_steps=plan.total_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=schedule.warmup_steps,
+                              num_training_steps=schedule.total_steps)
     return optimizer, scheduler
 
 

@@ -6,22 +6,28 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import netrc
 import os
+import pickle
 import shutil
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
+import datasets
 import torch
+import transformers
 
 from alpaca.args import INTERVENTIONS
 from alpaca.errors import UsageError
 from alpaca.model import import_intervention, new_intervention
 from alpaca.workarounds import (
     compute_in_float32,
-    import_pyreft,
     keep_foreign_hooks,
+    pyreft,
     register_layout,
     set_train_mode,
     trainable_dtype,
@@ -64,8 +70,6 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     class (only those of INTERVENTIONS) and takes its saved state through its own `load_state_dict`,
     whatever its layout. Nothing runs code: `intkey_*.bin` are read weights-only.
     """
-    import pickle
-
 
     directory = Path(directory)
     try:
@@ -85,12 +89,12 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     if foreign:
         raise UsageError(f"{directory}/config.json names intervention classes that are not in INTERVENTIONS "
                          f"({', '.join(foreign)}); they are not imported")
-    pyreft = import_pyreft()
     representations = [
-        {"layer": layer, "component": component, "low_rank_dimension": rank,
-         "intervention": new_intervention(import_intervention(known[type_name]), dimension, rank, base_model.dtype,
+        {"layer": layer, "component": component, "low_rank_dimension": low_rank_dimension,
+         "intervention": new_intervention(import_intervention(known[type_name]), dimension, low_rank_dimension,
+                                          base_model.dtype,
                                           add_bias="proj_layer.bias" in states.get(f"intkey_{key}.bin", {}))}
-        for type_name, (layer, component, _, _, rank, *_), dimension, key in layout
+        for type_name, (layer, component, _, _, low_rank_dimension, *_), dimension, key in layout
     ]
     register_layout(base_model)
     # A base spread by a device map is not moved (accelerate refuses to): its interventions stay on the CPU until
@@ -143,15 +147,15 @@ class LogWindow:
         self.label_tokens, self.tokens = 0, 0
 
 
-def start_line(summary: str, plan, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
+def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
                ready_s: float, processes: int = 1, placement: str = "") -> str:
-    """The line a run starts with: data and model, the global batch and the plan, where it resumes."""
+    """The line a run starts with: data and model, the global batch and the step schedule, where it resumes."""
     per_process = f"{processes} processes x " if processes > 1 or placement else ""
-    return (f"{summary}\nglobal batch {plan.global_batch_size} = {args.per_device_train_batch_size} per device x "
+    return (f"{summary}\nglobal batch {schedule.global_batch_size} = {args.per_device_train_batch_size} per device x "
             f"{per_process}{args.gradient_accumulation_steps} accumulation"
             + (f", packed into micro-batches of up to {args.packing_max_tokens} tokens" if args.packing else "")
-            + f" | {plan.total_steps} steps "
-            f"({plan.steps_per_epoch} per epoch){placement}"
+            + f" | {schedule.total_steps} steps "
+            f"({schedule.steps_per_epoch} per epoch){placement}"
             + (f" | eval: {eval_size} examples, {args.eval_strategy}" if eval_size else "")
             + (f" | resuming {resume_from} at step {step}" if resume_from else "")
             + f" | ready in {ready_s:.1f}s")
@@ -242,7 +246,7 @@ def _has_wandb_credentials() -> bool:
 def start_wandb(args: argparse.Namespace, config: dict, run_id: str | None = None):
     """A wandb run that never prompts: without credentials (and no WANDB_MODE) it runs offline.
     With `run_id` (from a checkpoint) it continues that run."""
-    import wandb
+    import wandb  # here: only --report_to wandb needs it, and its import takes seconds
 
     offline = "WANDB_MODE" not in os.environ and not _has_wandb_credentials()
     run = wandb.init(project=args.wandb_project, name=args.run_name, config=config, dir=args.output_dir,
@@ -262,7 +266,7 @@ def read_metrics(directory: str | os.PathLike) -> list[dict]:
 
 
 def plot_loss(directory: str | os.PathLike) -> Path:
-    import matplotlib
+    import matplotlib  # here: once per run, at its end; its import takes a second
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -282,3 +286,14 @@ def plot_loss(directory: str | os.PathLike) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def quiet_non_main_rank() -> None:
+    """Ranks other than 0 print errors only: no stdout, progress bars or library warnings."""
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    warnings.filterwarnings("ignore")
+    logging.getLogger().setLevel(logging.ERROR)  # pyvene warns through the root logger
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()

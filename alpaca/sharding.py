@@ -17,12 +17,20 @@ only those to the training dtype.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
 import os
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from alpaca.errors import UsageError
 
@@ -32,9 +40,6 @@ def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str
     """The base model with its parameters on the meta device (no memory) and its buffers computed on the
     CPU as usual (rotary tables: small, and not all of them are in the checkpoint). Frozen, eval mode.
     `reader` is the flag that reads it in parts (--fsdp, ZeRO-3), named by the errors."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     safetensors_index(model_name_or_path, cache_dir, reader)  # no safetensors: say so now, not after the sharding
     config = AutoConfig.from_pretrained(model_name_or_path, cache_dir=cache_dir)
     with init_empty_weights(include_buffers=False):
@@ -49,12 +54,8 @@ def safetensors_index(model_name_or_path: str, cache_dir: str | None = None,
                       reader: str = "--fsdp") -> dict[str, Path]:
     """Each tensor name of the checkpoint and the safetensors file that holds it: from a local directory,
     or from a hub name's cached snapshot (downloaded once per node by the first caller)."""
-    from safetensors import safe_open
-
     directory = Path(os.path.expanduser(model_name_or_path))
     if not directory.is_dir():
-        from huggingface_hub import snapshot_download
-
         directory = Path(snapshot_download(model_name_or_path, cache_dir=cache_dir,
                                            allow_patterns=["*.safetensors", "*.safetensors.index.json"]))
     index_file = directory / "model.safetensors.index.json"
@@ -77,10 +78,7 @@ def load_shards(model: torch.nn.Module, model_name_or_path: str, device: torch.d
     """Allocate the local shards of a model sharded on the meta device (`fully_shard`) and fill them, each
     rank reading only its own slice of each tensor. Buffers keep the values computed at construction
     unless the checkpoint has them. Tied parameters stay tied (one parameter, filled once)."""
-    from torch.distributed.tensor import DTensor
-
     # local shape and offset of a DTensor's local part, as torch's distributed checkpoint computes them
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     index = checkpoint_index(model, model_name_or_path, cache_dir, "--fsdp")
     buffers = dict(model.named_buffers())
@@ -130,8 +128,6 @@ def read_rows(file: Path, name: str, rows: slice | None = None) -> torch.Tensor:
     """Tensor `name` of a safetensors file, or only its `rows`. safe_open maps the whole file; the pages a
     read touches count in this rank's resident memory until the map is closed. So one map per read: the file
     pages resident at once are one slice's."""
-    from safetensors import safe_open
-
     with safe_open(file, framework="pt") as opened:
         tensor_slice = opened.get_slice(name)
         return tensor_slice[:] if rows is None else tensor_slice[rows]
@@ -140,8 +136,6 @@ def read_rows(file: Path, name: str, rows: slice | None = None) -> torch.Tensor:
 def read_elements(file: Path, name: str, start: int, stop: int) -> torch.Tensor:
     """Elements [start, stop) of tensor `name` flattened (a ZeRO-3 partition), read as the whole rows that
     hold them: at most part of a row more on either side."""
-    from safetensors import safe_open
-
     with safe_open(file, framework="pt") as opened:
         tensor_slice = opened.get_slice(name)
         shape = tensor_slice.get_shape()
@@ -167,9 +161,6 @@ def return_freed_buffers_to_the_os() -> None:
     fixes it (and turns that adjustment off); at 64 KiB, what a step frees is returned (a larger threshold
     keeps part of a model copy from step to step). Set as the strategy is chosen, before the data and the
     model load: a heap grown before it is set serves the partitions and keeps what they free."""
-    import ctypes
-    import ctypes.util
-
     libc_name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(libc_name) if libc_name else None
     if libc is not None and hasattr(libc, "mallopt"):  # glibc; other allocators return memory themselves

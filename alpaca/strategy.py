@@ -19,16 +19,21 @@ base is frozen: no strategy reduces or steps it. docs/multi-gpu.md has the table
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from alpaca import deepspeed as zero
 from alpaca.args import quantization_settings
 from alpaca.device_map import DeviceMap
 from alpaca.errors import UsageError
-from alpaca.model import decoder_layers, intervention_parameters, load_base_model
+from alpaca.layers import decoder_layers
+from alpaca.model import intervention_parameters, load_base_model
 from alpaca.optim import clip_and_step
 from alpaca.sharding import load_shards, return_freed_buffers_to_the_os
 from alpaca.workarounds import index_tensors_on
@@ -98,8 +103,6 @@ class DDP(Strategy):
     layout = "replicated (DDP)"
 
     def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
-        from torch.nn.parallel import DistributedDataParallel
-
         super().wrap(reft_model, optimizer, scheduler, optimizer_state)
         # DDP neither broadcasts nor reduces the frozen base. Buffers (rotary tables, the rotation's fixed
         # base) never change: no re-broadcast before each forward. A module on several devices takes no device_ids.
@@ -213,8 +216,6 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
     holds the rest (final norm; tied embeddings, one parameter, gathered for the whole forward and
     backward). Build the ReFT model first: pyvene finds its hook points by the model's class, which
     `fully_shard` replaces."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
     options = {}
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
@@ -251,10 +252,6 @@ def average_gradients(parameters: list[torch.Tensor]) -> None:
 def no_forward_buffer_sync() -> dict[str, bool]:
     """DDP's option not to re-broadcast buffers before every forward: `forward_sync_buffers` since torch
     2.13, `broadcast_buffers` (deprecated there) before."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
 
@@ -273,8 +270,6 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
     partitions), none of those a device map keeps on disk (on the meta device between forwards), the rest whole;
     a bitsandbytes weight with its quantization constants."""
-    from torch.distributed.tensor import DTensor
-
     def held(parameter: torch.Tensor) -> int:
         if isinstance(parameter, DTensor):
             return parameter.to_local().nbytes

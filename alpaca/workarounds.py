@@ -13,22 +13,27 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import warnings
 
 import torch
+from torch.nn.attention import varlen
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from alpaca.args import COMPONENTS, VARLEN_ATTENTION
+from alpaca.layers import decoder_layer_list
+
+# pyvene prints, as it is imported, that nnsight (an optional backend these scripts do not use) is not detected:
+# pyreft and pyvene are imported here, quietly, and the other modules take them from here.
+with contextlib.redirect_stdout(io.StringIO()):
+    import pyreft  # noqa: F401 - for alpaca.model and alpaca.output
+    import pyvene
+    from pyvene.models.constants import CONST_OUTPUT_HOOK
 
 # pyvene's hooks copy index tensors with torch.tensor(tensor), which warns that clone() is the recommended
 # copy; the copy is what we want.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
-
-
-def import_pyreft():
-    """`import pyreft`, without pyvene's "nnsight is not detected" line (an optional backend we don't use)."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        import pyreft
-    return pyreft
 
 
 def keep_foreign_hooks(reft_model) -> None:
@@ -117,9 +122,6 @@ def causal_attention_without_mask_checks(model) -> None:
     forward with neither a mask, position ids nor a cache uses it (a pre-hook chooses per forward); any other
     (generation, a masked baseline) goes through "sdpa" and its masks, and a pack (--packing) through
     "sdpa" or, set up with --attn_implementation sdpa_varlen, `varlen_attention`. Only for a model on either."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     config = model.config
     packs = config._attn_implementation
     if packs not in ("sdpa", VARLEN_ATTENTION):
@@ -149,8 +151,6 @@ def varlen_attention(module, query, key, value, attention_mask, scaling: float |
     this is one, registered under VARLEN_ATTENTION with no mask function: transformers builds no mask for it.
     `query` is [1, heads, tokens, head_dim], key and value with the model's key-value heads; returns
     [1, tokens, heads, head_dim], as transformers' SDPA function does. No sliding window (refused at setup)."""
-    from torch.nn.attention import varlen
-
     query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
     output = varlen.varlen_attn(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
                                 kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling, window_size=(-1, 0),
@@ -166,11 +166,6 @@ def register_layout(model) -> None:
     (KeyError). Register the model's class in both, from the model: its decoder layer list (with its layers'
     `mlp` and `self_attn`, transformers' names, for the other COMPONENTS) and the hidden size of its (text)
     config. A class pyvene maps keeps pyvene's own layout."""
-    import pyvene
-    from pyvene.models.constants import CONST_OUTPUT_HOOK
-
-    from alpaca.model import decoder_layer_list  # here: alpaca.model imports this module
-
     model_class = type(model)
     if model_class in pyvene.type_to_module_mapping:
         return
@@ -196,8 +191,6 @@ def quiet_bitsandbytes_logs() -> None:
     AVX512-BF16, "Failed to load CPU gemm_4bit_forward from kernels-community" at import, which asks for a
     package that downloads a kernel from the hub, for the inference kernel training never runs
     (`keep_4bit_layers_differentiable`)."""
-    import logging
-
     for logger in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
         logging.getLogger(logger).addFilter(_not_bitsandbytes_noise)  # once: a filter already there is not added
 
@@ -212,7 +205,7 @@ def keep_4bit_layers_differentiable(model) -> None:
     first layer's input), in place and for good; that kernel has no backward, so from then on the gradient through
     the layer is wrong (torch warns "an autograd kernel was not registered"), and the forward's arithmetic
     changes mid-run. Kept off: every forward takes bitsandbytes' differentiable path (dequantize, then matmul)."""
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # here: only a quantized base needs it, after `quiet_bitsandbytes_logs`
 
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):

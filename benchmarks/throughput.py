@@ -9,7 +9,7 @@ own; adding one (a packed step, another attention backend) is one more entry:
   baseline  uniformly random batches padded to their longest example, the attention mask and full-vocabulary
             logits at every position, collated in the loop, pyvene's own index writes: HF's Trainer with
             pyreft's collator
-  eager     the scripts' step: GlobalBatchSampler + DataLoader (workers and pinned memory per device, as the
+  eager     the scripts' step: DistributedGlobalBatchSampler + DataLoader (workers and pinned memory per device, as the
             scripts default), length-grouped batches padded to --pad_to_multiple_of, no attention mask, the
             LM head only from the first label position, no host sync inside the forward
   compiled  eager with --torch_compile (each decoder layer's forward compiled)
@@ -136,7 +136,7 @@ def reft_flops(model, reft_model, batch: dict, first_layer: int) -> float:
     the layers from the first intervened one on (below it nothing needs a gradient); the LM head forward and
     backward at the positions predicting a label; each intervention 6 x its parameters per intervened position.
     Real tokens only (no padding); a pack's examples each attend within themselves."""
-    from alpaca.model import decoder_layers
+    from alpaca.layers import decoder_layers
 
     config = model.config.get_text_config(decoder=True)
     layers = decoder_layers(model)
@@ -159,9 +159,18 @@ def run_variant(args: argparse.Namespace) -> dict:
     """One variant at one batch size, in this process: returns what it measured."""
     import numpy as np
     import torch
+    from torch.utils.data import DataLoader
 
     from alpaca.args import parse_layers, resolve_device_defaults
-    from alpaca.data import Collator, global_batches, load_records, prepare_dataset, step_loader
+    from alpaca.data import (
+        Collator,
+        DistributedGlobalBatchSampler,
+        StepCollator,
+        global_batches,
+        load_records,
+        loader_workers,
+        prepare_dataset,
+    )
     from alpaca.loss import summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,
@@ -184,7 +193,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     check_attention(args.attn_implementation, device, model.dtype)
     set_attention(model, args.attn_implementation)
     torch.manual_seed(0)
-    reft_model = build_reft_model(model, args.layers, (1, 1), False, args.rank)
+    reft_model = build_reft_model(model, args.layers, (1, 1), False, low_rank_dimension=args.rank)
     if args.torch_compile:
         compile_decoder_layers(model)
     parameters = [p for _, p in intervention_parameters(reft_model)]
@@ -193,11 +202,13 @@ def run_variant(args: argparse.Namespace) -> dict:
     batch_size, ours = args.per_device_train_batch_size, not args.baseline
     if ours:  # as train.py builds it, from the flags it reads
         collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers, args.pad_to_multiple_of)
-        loader = step_loader(dataset, collate, argparse.Namespace(
-            per_device_train_batch_size=batch_size, gradient_accumulation_steps=1, seed=0, group_by_length=True,
-            packing_max_tokens=batch_size * args.model_max_length if args.packing else None,
-            dataloader_num_workers=args.dataloader_num_workers), pin_memory=device.type == "cuda")
-        sampler = loader.batch_sampler
+        packing_max_tokens = batch_size * args.model_max_length if args.packing else None
+        lengths = np.array(dataset["length"])
+        sampler = DistributedGlobalBatchSampler(len(dataset), batch_size, seed=0, lengths=lengths,
+                                                packing=(lengths, packing_max_tokens) if args.packing else None)
+        loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+                            collate_fn=StepCollator(collate, batch_size, packing_max_tokens),
+                            **loader_workers(args.dataloader_num_workers))
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     else:
         collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers)

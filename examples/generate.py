@@ -65,7 +65,7 @@ def run_settings(directory: str) -> dict:
 
 def read_conversations(path: str) -> list[list[dict]]:
     """The messages of each record of a .json/.jsonl file of conversations, each ending with the user's turn."""
-    from alpaca.data import _read_local_records, check_conversations
+    from alpaca.data import _read_local_records, check_conversations  # after parsing, as in generate()
 
     records = _read_local_records(path, "--conversations_file")
     check_conversations(records, f"--conversations_file {path!r}", last_role="user")

@@ -11,6 +11,7 @@ the files no more than its partitions (and the parts of rows around them): never
 not own. Prints "ok" on rank 0, for each model and strategy.
 """
 
+import datetime
 import math
 import os
 import sys
@@ -26,18 +27,19 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from alpaca.deepspeed import partition_base, start  # noqa: E402
-from alpaca.distributed import process_group  # noqa: E402
+from alpaca.distributed import releasing_process_group  # noqa: E402
 from alpaca.model import build_reft_model  # noqa: E402
 from alpaca.sharding import empty_base_model, load_shards  # noqa: E402
 from alpaca.strategy import shard_base_model  # noqa: E402
 
 cpu = torch.device("cpu")
-with process_group("gloo", 300, cpu):
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+with releasing_process_group():
     for model_dir in sys.argv[1:]:
         whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         sharded = empty_base_model(model_dir, torch.float32)
         assert all(p.is_meta for p in sharded.parameters())
-        build_reft_model(sharded, "1", (1, 1), False, rank=2)  # as in train_multigpu.py: before sharding
+        build_reft_model(sharded, "1", (1, 1), False, low_rank_dimension=2)  # as in train_multigpu.py: before sharding
         shard_base_model(sharded, cpu)
         load_shards(sharded, model_dir, cpu)
 
@@ -65,7 +67,7 @@ with process_group("gloo", 300, cpu):
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}}
         partitioned = empty_base_model(model_dir, torch.float32, reader="ZeRO-3")
-        build_reft_model(partitioned, "1", (1, 1), False, rank=2)
+        build_reft_model(partitioned, "1", (1, 1), False, low_rank_dimension=2)
         start(config, partitioned, cpu)
         read_before = read_count.bytes_read()
         partition_base(partitioned, model_dir, config, cpu)
@@ -89,3 +91,4 @@ with process_group("gloo", 300, cpu):
                                        atol=0)
         if int(os.environ["RANK"]) == 0:
             print(f"ok: ZeRO-3, {world} ranks, tied={tied}")
+dist.destroy_process_group()

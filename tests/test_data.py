@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model, with_chat_template
+from torch.utils.data import DataLoader
 
 from alpaca.data import (
     IGNORE_INDEX,
     Collator,
-    GlobalBatchSampler,
+    DistributedGlobalBatchSampler,
     StepCollator,
     _dataset_fingerprint,
     format_prompt,
@@ -19,18 +20,30 @@ from alpaca.data import (
     intervention_locations,
     load_records,
     load_splits,
+    loader_workers,
     packs,
     prepare_dataset,
     prompt_windows,
     rank_micro_batches,
     render_prompt,
-    step_loader,
     tokenize,
 )
 from alpaca.errors import UsageError
 from alpaca.model import load_base_model
 
 pytestmark = pytest.mark.fast  # unit tests, all in `make test-fast`
+
+
+def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas: int = 1, rank: int = 0):
+    """The training DataLoader as the scripts build it: one item per optimizer step, this rank's micro-batches."""
+    lengths = np.array(dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, num_replicas=num_replicas,
+        rank=rank, seed=args.seed, lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    return DataLoader(dataset, batch_sampler=sampler, pin_memory=pin_memory,
+                      collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
+                      **loader_workers(args.dataloader_num_workers))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +167,7 @@ def test_sampler_yields_each_ranks_micro_batches_of_the_plan(world_size, per_dev
     rank's micro-batches; the ranks' items partition the global batch; a new order each epoch."""
     lengths = np.random.default_rng(1).integers(5, 90, size=21) if grouped else None
     global_batch_size = world_size * per_device * accumulation
-    samplers = [GlobalBatchSampler(21, per_device, accumulation, num_replicas=world_size, rank=rank, seed=7,
+    samplers = [DistributedGlobalBatchSampler(21, per_device, accumulation, num_replicas=world_size, rank=rank, seed=7,
                                    lengths=lengths) for rank in range(world_size)]
     cut = StepCollator(collate=lambda examples: examples, per_device_batch_size=per_device)
     orders = []
@@ -202,7 +215,7 @@ def test_packed_steps_have_no_padding_and_every_rank_runs_the_same_forwards(toke
 
 
 def test_sampler_resumes_at_a_global_batch():
-    sampler = GlobalBatchSampler(21, 2, 2, num_replicas=2, rank=1, seed=3)
+    sampler = DistributedGlobalBatchSampler(21, 2, 2, num_replicas=2, rank=1, seed=3)
     sampler.set_epoch(4)
     whole = list(sampler)
     sampler.set_start(2)
@@ -212,10 +225,10 @@ def test_sampler_resumes_at_a_global_batch():
 
 
 def test_sampler_without_shuffle_keeps_the_dataset_order():
-    sampler = GlobalBatchSampler(7, 2, 1, num_replicas=2, rank=0, shuffle=False)
+    sampler = DistributedGlobalBatchSampler(7, 2, 1, num_replicas=2, rank=0, shuffle=False)
     assert list(sampler) == [[0, 1], [4, 5]]
     with pytest.raises(ValueError, match="rank 2"):
-        GlobalBatchSampler(7, 2, 1, num_replicas=2, rank=2)
+        DistributedGlobalBatchSampler(7, 2, 1, num_replicas=2, rank=2)
 
 
 def test_pad_to_multiple_of_rounds_the_width_up_and_changes_no_label(tokenizer, tiny_data):

@@ -20,8 +20,9 @@ from conftest import (
 )
 
 from alpaca.args import parse_args, resolve_device_defaults
+from alpaca.layers import decoder_layers
 from alpaca.loss import summed_token_loss
-from alpaca.model import decoder_layers, intervention_parameters
+from alpaca.model import intervention_parameters
 from alpaca.strategy import choose_strategy
 
 

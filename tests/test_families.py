@@ -15,9 +15,10 @@ from conftest import (
     write_records,
 )
 
-from alpaca.model import build_reft_model, decoder_layer_list, load_base_model
+from alpaca.layers import decoder_layer_list
+from alpaca.model import build_reft_model, load_base_model
 from alpaca.output import read_metrics, save_interventions
-from alpaca.workarounds import import_pyreft, register_layout
+from alpaca.workarounds import pyreft, register_layout
 
 # family (its config class less 'Config'): the config's overrides and the intervention it trains with, so that
 # each intervention runs on a new layout (LobiReFT barely moves the loss of a random model: LoReFT twice).
@@ -86,10 +87,9 @@ def test_pyreft_loads_a_family_it_does_not_know_once_its_layout_is_registered(fa
     rounding of the float32 learned source to bf16 that pyreft's loader makes."""
     import pyvene
 
-    pyreft = import_pyreft()
     model, tokenizer = load_base_model(str(family_model("Qwen3")), torch.bfloat16, CPU)
     torch.manual_seed(0)
-    trained = build_reft_model(model, "1;2", (1, 1), False, rank=4)
+    trained = build_reft_model(model, "1;2", (1, 1), False, low_rank_dimension=4)
     save_interventions(trained, tmp_path)
     for table in (pyvene.type_to_module_mapping, pyvene.type_to_dimension_mapping):
         monkeypatch.delitem(table, type(model))  # as in a fresh process

@@ -54,7 +54,8 @@ def test_fsdp_holds_about_half_the_base_per_rank_on_two_ranks(fsdp_runs):
 def test_gradient_checkpointing_recomputes_each_layer(tiny_model):
     """The layers that backward goes through (above the lowest intervention, layer 1) run twice per step:
     forward, then again in backward. The gradients are those without checkpointing."""
-    from alpaca.model import build_reft_model, decoder_layers
+    from alpaca.layers import decoder_layers
+    from alpaca.model import build_reft_model
 
     def step(checkpointing, dtype=torch.float32):
         model, _ = load_base_model(str(tiny_model), dtype, torch.device("cpu"))
@@ -64,7 +65,7 @@ def test_gradient_checkpointing_recomputes_each_layer(tiny_model):
         for index, layer in enumerate(decoder_layers(model)):
             layer.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
         torch.manual_seed(0)
-        reft_model = build_reft_model(model, "1;3", (1, 1), False, rank=4)
+        reft_model = build_reft_model(model, "1;3", (1, 1), False, low_rank_dimension=4)
         ids = torch.randint(0, 300, (2, 12))
         locations = [[[0], [0]]] * 2 + [[[11], [11]]] * 2
         _, outputs = reft_model({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})

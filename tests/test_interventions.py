@@ -24,7 +24,7 @@ from alpaca.model import (
     optimizer_param_groups,
 )
 from alpaca.output import load_reft_model, save_interventions
-from alpaca.workarounds import import_pyreft, trainable_dtype
+from alpaca.workarounds import pyreft, trainable_dtype
 
 POSITION = (3, 3)
 CPU = torch.device("cpu")
@@ -41,7 +41,6 @@ def base_model_loss(model, batch) -> torch.Tensor:
 def test_every_block_output_intervention_of_pyreft_is_offered():
     from pyvene import SourcelessIntervention, TrainableIntervention
 
-    pyreft = import_pyreft()
     shipped = {name for name, cls in inspect.getmembers(pyreft.interventions, inspect.isclass)
                if cls.__module__ == "pyreft.interventions" and issubclass(cls, TrainableIntervention)
                and issubclass(cls, SourcelessIntervention)}
@@ -55,7 +54,7 @@ def test_each_intervention_trains_and_reloads_with_the_same_outputs(tiny_model, 
     directory then loads back: in float32 with the same loss, on a bfloat16 base with the interventions in float32."""
     model, tokenizer = load_base_model(str(tiny_model), torch.float32, CPU)
     torch.manual_seed(0)
-    reft_model = build_reft_model(model, "all", POSITION, False, rank=4, intervention=intervention)
+    reft_model = build_reft_model(model, "all", POSITION, False, low_rank_dimension=4, intervention=intervention)
     batch = Collator(tokenizer.pad_token_id, POSITION, False, num_layers=4)(
         list(tokenize(load_records(str(tiny_data)), tokenizer, 512))[:7])
     optimizer = torch.optim.AdamW(optimizer_param_groups(reft_model, weight_decay=0.1), lr=3e-2)
@@ -170,7 +169,7 @@ def test_each_component_is_intervened_on_saved_and_loaded_back(tiny_model, tiny_
 
     def built(component):
         torch.manual_seed(0)
-        reft_model = build_reft_model(model, "1;2", POSITION, False, rank=4, component=component)
+        reft_model = build_reft_model(model, "1;2", POSITION, False, low_rank_dimension=4, component=component)
         for intervention in reft_model.interventions.values():
             torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
         return reft_model

@@ -18,7 +18,7 @@ def reft_setup(tiny_model, tiny_data, attention: str = "sdpa"):
     set_attention(model, attention)
     dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
     torch.manual_seed(0)
-    reft_model = build_reft_model(model, "1;2", POSITION, False, rank=4)
+    reft_model = build_reft_model(model, "1;2", POSITION, False, low_rank_dimension=4)
     # Random learned sources, so the interventions are far from the identity and the test is sharp.
     # (The rotation keeps its random orthogonal init: its raw parameter is not free, see optimizer_param_groups.)
     for intervention in reft_model.interventions.values():
@@ -152,7 +152,7 @@ def test_right_padding_needs_no_attention_mask(tiny_model, tiny_data):
         model, tokenizer = load_base_model(str(tiny_model), dtype, torch.device("cpu"))
         dataset = tokenize(load_records(str(tiny_data)), tokenizer, 512)
         torch.manual_seed(0)
-        reft_model = build_reft_model(model, "1;3", POSITION, False, rank=4)
+        reft_model = build_reft_model(model, "1;3", POSITION, False, low_rank_dimension=4)
         for intervention in reft_model.interventions.values():
             torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
         order = sorted(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))

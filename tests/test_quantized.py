@@ -211,7 +211,7 @@ def test_a_forward_without_gradient_leaves_the_4bit_layers_differentiable(tiny_m
     model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"),
                                quantization={"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
     torch.manual_seed(0)
-    reft_model = build_reft_model(model, "1", (1, 1), False, rank=4)
+    reft_model = build_reft_model(model, "1", (1, 1), False, low_rank_dimension=4)
     ids = torch.randint(0, 300, (2, 12))
     locations = {"sources->base": (None, [[[0], [0]], [[11], [11]]])}
 

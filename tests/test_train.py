@@ -90,7 +90,7 @@ def test_noreft_trains_evaluates_and_saves(tiny_model, tiny_data, tiny_eval_data
 @pytest.mark.fast
 def test_rotation_never_gets_weight_decay(tiny_model):
     model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
-    reft_model = build_reft_model(model, "all", (1, 1), False, rank=2)
+    reft_model = build_reft_model(model, "all", (1, 1), False, low_rank_dimension=2)
     decay, no_decay = optimizer_param_groups(reft_model, 0.1)
     names = {id(p): n for n, p in intervention_parameters(reft_model)}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -107,7 +107,7 @@ def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
     for dtype in (torch.float32, torch.bfloat16):
         model, _ = load_base_model(str(tiny_model), dtype, torch.device("cpu"))
         torch.manual_seed(0)
-        reft_model = build_reft_model(model, "0;3", (2, 2), False, rank=3)
+        reft_model = build_reft_model(model, "0;3", (2, 2), False, low_rank_dimension=3)
         for intervention in reft_model.interventions.values():
             torch.nn.init.normal_(intervention.learned_source.weight, std=0.2)
         with torch.no_grad():
