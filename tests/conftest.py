@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from alpaca.checkpoint import checkpoints
-from alpaca.output import read_metrics
+from alpaca.output import ARGS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "examples" / "data" / "alpaca_sample.json"
@@ -278,7 +278,7 @@ def reloaded_eval_loss(run_dir, model_dir, records, dtype: torch.dtype = torch.f
     model, tokenizer = load_base_model(str(model_dir), dtype, torch.device("cpu"))
     reft_model = load_reft_model(run_dir, model)
     set_train_mode(reft_model, False)
-    args = json.loads((Path(run_dir) / "training_args.json").read_text())
+    args = saved_arguments(run_dir)
     position = parse_position(args["position"])
     num_layers = num_intervened_layers(reft_model, position, args["share_weights"])
     loss_sum, label_tokens = 0.0, 0
@@ -368,11 +368,16 @@ def relative_deviations(actual_dir, expected_dir) -> dict[str, float]:
     return deviations
 
 
+def saved_arguments(run_dir) -> dict:
+    """A run's resolved arguments, as it saved them."""
+    return json.loads((Path(run_dir) / ARGS_FILE).read_text())
+
+
 def saved_command_line(run_dir) -> list[str]:
     """The flags that reproduce a run, rebuilt from its training_args.json (those that differ from the default)."""
     from alpaca.args import build_parser
 
-    saved = json.loads((Path(run_dir) / "training_args.json").read_text())
+    saved = saved_arguments(run_dir)
     argv = []
     for action in build_parser("train.py")._actions:
         value = saved.get(action.dest, action.default)
@@ -394,7 +399,7 @@ def rerun(run_dir, dtype: str, unquantized: bool = False) -> Path:
     number of processes. The flags that change no arithmetic (sharding, resuming, compiling, loader workers,
     sample answers) are dropped: a rerun is a plain uninterrupted run; `unquantized` drops the quantization."""
     run_dir = Path(run_dir)
-    saved = json.loads((run_dir / "training_args.json").read_text())
+    saved = saved_arguments(run_dir)
     dropped = {"--output_dir", "--dtype", "--resume_from_checkpoint", "--deepspeed", "--fsdp", "--torch_compile",
                "--gradient_accumulation_steps", "--dataloader_num_workers", "--num_sample_answers", "--report_to",
                "--overwrite_output_dir", *(QUANTIZATION if unquantized else ())}
@@ -419,7 +424,7 @@ def rerun(run_dir, dtype: str, unquantized: bool = False) -> Path:
 
 def truth_run(run_dir) -> Path:
     """The run in `run_dir` trained again one precision up (`rerun`)."""
-    return rerun(run_dir, ONE_PRECISION_UP[json.loads((Path(run_dir) / "training_args.json").read_text())["dtype"]])
+    return rerun(run_dir, ONE_PRECISION_UP[saved_arguments(run_dir)["dtype"]])
 
 
 def rounding_tolerances(run_dir, truth_dir=None) -> dict[str, float]:
@@ -427,7 +432,7 @@ def rounding_tolerances(run_dir, truth_dir=None) -> dict[str, float]:
     times the rounding error of `run_dir`'s run, measured against its truth (`truth_run` unless given). On a
     bitsandbytes-quantized base, which has no float64 path, the error is that of the same float32 arithmetic
     with the base unquantized."""
-    saved = json.loads((Path(run_dir) / "training_args.json").read_text())
+    saved = saved_arguments(run_dir)
     if truth_dir is None and (saved.get("load_in_4bit") or saved.get("load_in_8bit")):
         run_dir = rerun(run_dir, saved["dtype"], unquantized=True)
     deviations = relative_deviations(run_dir, truth_dir or truth_run(run_dir))

@@ -83,15 +83,12 @@ def test_each_intervention_trains_and_reloads_with_the_same_outputs(tiny_model, 
     with torch.no_grad():
         expected = summed_token_loss(reft_model, batch, CPU)
     save_interventions(reft_model, tmp_path)
-    fresh, _ = load_base_model(str(tiny_model), torch.float32, CPU)
-    reloaded = load_reft_model(tmp_path, fresh)
-    loaded_class = type(next(iter(reloaded.interventions.values())))
-    assert f"{loaded_class.__module__}.{loaded_class.__name__}" == INTERVENTIONS[intervention]
-    base_losses = {}
-    reloaded_losses = {}
+    base_losses, reloaded_losses = {}, {}
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         base, _ = load_base_model(str(tiny_model), dtype, CPU)
         reloaded = load_reft_model(tmp_path, base)
+        loaded_class = type(next(iter(reloaded.interventions.values())))
+        assert f"{loaded_class.__module__}.{loaded_class.__name__}" == INTERVENTIONS[intervention]
         assert all(p.dtype == trainable_dtype(dtype) for p in reloaded.interventions.parameters())
         with torch.no_grad():
             reloaded_losses[dtype] = summed_token_loss(reloaded, batch, CPU).double().view(1)
