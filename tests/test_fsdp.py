@@ -171,9 +171,9 @@ def test_fsdp_and_zero3_need_safetensors(tiny_model, tiny_data, tmp_path, monkey
     (["--deepspeed", str(REPO / "examples" / "deepspeed" / "zero2.json")], False), ([], False)],
     ids=["fsdp", "zero3", "zero2", "ddp"])
 def test_sharded_strategies_fix_glibcs_mmap_threshold_as_they_are_chosen(monkeypatch, strategy, fixed):
-    """On a CPU, --fsdp and ZeRO-3 fix it before the data and the model load: fixed only as ZeRO-3's engine
-    started, a heap grown meanwhile kept 0.10-0.15 model copies more on a rank in 6 runs of 15
-    (docs/big-models.md). The replicated strategies leave glibc's adaptive threshold."""
+    """On a CPU, --fsdp and ZeRO-3 fix it before the data and the model load: fixed later, a heap grown meanwhile
+    can keep a tenth of a model copy more on a rank (docs/big-models.md). The replicated strategies leave
+    glibc's adaptive threshold."""
     import alpaca.strategy
     from alpaca.args import parse_args
 
