@@ -7,24 +7,73 @@
 Several GPUs: `torchrun --nproc_per_node N train_multigpu.py` with the same flags trains the same model.
 """
 
+import argparse
 import os
-import resource
 import sys
-import time
 
 from alpaca.args import exit_on_usage_error, parse_args
-from alpaca.errors import UsageError
 
 PROG = "train.py"
 
-
-def main(argv: list[str] | None = None) -> None:
+if __name__ == "__main__":  # --help and usage errors answer here, before the heavy imports below
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        # Every rank would train on all the data and they would overwrite each other's output.
+    if world_size > 1:  # every rank would train on all the data, and overwrite the others' output
         sys.exit(f"{PROG}: error: launched on {world_size} processes (WORLD_SIZE={world_size}); train.py trains on "
                  f"one device. Use: torchrun --nproc_per_node {world_size} train_multigpu.py <same flags>")
-    args = parse_args(PROG, argv)  # before the heavy imports: --help and usage errors are instant
+    ARGS = parse_args(PROG)
+
+import resource
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from alpaca.args import parse_position, resolve_device_defaults
+from alpaca.checkpoint import (
+    StopSignal,
+    TrainerState,
+    geometry,
+    load_checkpoint,
+    prepare_output_dir,
+    restore_training_state,
+    rng_state,
+    save_checkpoint,
+    save_output,
+    training_fingerprint,
+)
+from alpaca.data import (
+    Collator,
+    DistributedGlobalBatchSampler,
+    StepCollator,
+    eval_batches,
+    give_step_counts,
+    load_splits,
+    loader_workers,
+    prepare_dataset,
+    step_counts,
+)
+from alpaca.errors import UsageError
+from alpaca.generation import sample_answers
+from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
+from alpaca.model import (
+    build_reft_model,
+    check_attention,
+    check_model,
+    compile_decoder_layers,
+    describe,
+    enable_gradient_checkpointing,
+    num_intervened_layers,
+    resolve_dtype,
+    set_attention,
+)
+from alpaca.optim import StepSchedule, build_optimizer
+from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+from alpaca.strategy import choose_strategy
+
+
+def main(args: argparse.Namespace) -> None:
     try:
         train_on_one_device(args)
     except UsageError as error:
@@ -34,8 +83,6 @@ def main(argv: list[str] | None = None) -> None:
 def train_on_one_device(args) -> None:
     """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU); with
     --device_map the base spreads over every visible GPU (and the CPU, disk), the batch entering on the first."""
-    import torch
-
     started = time.perf_counter()
     gpus = []
     if torch.cuda.is_available():
@@ -49,48 +96,16 @@ def train_on_one_device(args) -> None:
                   "--device_map auto for a model one GPU cannot hold")
     else:
         device = torch.device("cpu")
-    train(args, device, gpus, started)
-
-
-def train(args, device, gpus: list[int], started: float) -> None:
-    """Data, model, the training loop and the output, on the device (or the devices of a --device_map)."""
-    import numpy as np
-    import torch
-    from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
-
-    from alpaca.args import parse_position, resolve_device_defaults
-    from alpaca.checkpoint import (
-        StopSignal,
-        TrainerState,
-        geometry,
-        load_checkpoint,
-        prepare_output_dir,
-        restore_training_state,
-        rng_state,
-        save_checkpoint,
-        save_output,
-    )
-    from alpaca.data import (
-        DistributedGlobalBatchSampler,
-        StepCollator,
-        eval_batches,
-        give_step_counts,
-        loader_workers,
-        step_counts,
-    )
-    from alpaca.generation import sample_answers
-    from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
-    from alpaca.model import check_attention, describe, resolve_dtype
-    from alpaca.optim import StepSchedule, build_optimizer
-    from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
-    from alpaca.strategy import choose_strategy
-
-    stop = StopSignal()
     resolve_device_defaults(args, device.type)
-    position = parse_position(args.position)
     dtype = resolve_dtype(args.dtype, device)
     check_attention(args.attn_implementation, device, dtype)
+    train(args, device, dtype, gpus, started)
+
+
+def train(args, device, dtype, gpus: list[int], started: float) -> None:
+    """Data, model, the training loop and the output, on the device (or the devices of a --device_map)."""
+    stop = StopSignal()
+    position = parse_position(args.position)
     strategy = choose_strategy(args, device, dtype, gpus, distributed=False)  # on the device, or a --device_map
     resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
 
@@ -203,19 +218,6 @@ def train(args, device, gpus: list[int], started: float) -> None:
 
 def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
     """The data and the ReFT model; what can be checked is checked before the model's weights are loaded."""
-    import torch
-
-    from alpaca.checkpoint import training_fingerprint
-    from alpaca.data import Collator, load_splits, prepare_dataset
-    from alpaca.model import (
-        build_reft_model,
-        check_model,
-        compile_decoder_layers,
-        enable_gradient_checkpointing,
-        num_intervened_layers,
-        set_attention,
-    )
-
     records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
                                         args.max_n_train_example, args.seed, args.field_map)
     model_path = check_model(args)  # --layers and --rank against the model's config, the chat template
@@ -239,4 +241,4 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

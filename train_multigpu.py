@@ -10,36 +10,92 @@ a step) and takes its own share of each global batch; the loss is weighted by th
 whole global batch. So N processes compute the gradient one process computes, and train the same model.
 """
 
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from alpaca.args import exit_on_usage_error, parse_args
+
+PROG = "train_multigpu.py"
+
+if __name__ == "__main__":  # --help and usage errors answer here, before the heavy imports below
+    ARGS = parse_args(PROG, multigpu=True)
+
 import contextlib
 import datetime
 import gc
 import os
 import socket
-import sys
 import time
 
-from alpaca.args import exit_on_usage_error, parse_args, wait_for_launcher
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from alpaca.args import parse_position, resolve_device_defaults, wait_for_launcher
+from alpaca.checkpoint import (
+    StopSignal,
+    TrainerState,
+    geometry,
+    load_checkpoint,
+    prepare_output_dir,
+    restore_training_state,
+    rng_state,
+    save_checkpoint,
+    save_output,
+    training_fingerprint,
+)
+from alpaca.data import (
+    Collator,
+    DistributedGlobalBatchSampler,
+    StepCollator,
+    eval_batches,
+    give_step_counts,
+    load_splits,
+    loader_workers,
+    prepare_dataset,
+    step_counts,
+)
+from alpaca.device_map import gpu_group
+from alpaca.distributed import (
+    first_on_local_main,
+    gather_rank_report,
+    main_rank_result,
+    releasing_process_group,
+    run_checked,
+)
 from alpaca.errors import UsageError
+from alpaca.generation import sample_answers
+from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
+from alpaca.model import (
+    build_reft_model,
+    check_attention,
+    check_model,
+    compile_decoder_layers,
+    describe,
+    enable_gradient_checkpointing,
+    num_intervened_layers,
+    resolve_dtype,
+    set_attention,
+)
+from alpaca.optim import StepSchedule, build_optimizer
+from alpaca.output import LogWindow, MetricsLog, eval_record, quiet_non_main_rank, save_args, start_line, train_record
+from alpaca.strategy import choose_strategy, local_parameter_bytes
 
-PROG = "train_multigpu.py"
 
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(PROG, argv, multigpu=True)  # before the heavy imports: --help and usage errors are instant
+def main(args: argparse.Namespace) -> None:
     try:
         train_in_process_group(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
 
+
 def train_in_process_group(args) -> None:
     """This process's device(s), then the process group's life: created, the training run in it, destroyed."""
-    import torch
-    import torch.distributed as dist
-
-    from alpaca.device_map import gpu_group
-    from alpaca.distributed import releasing_process_group
-
     started = time.perf_counter()
     # -- launch environment: torchrun / accelerate set these; plain `python` is a world of one ------------
     if "RANK" not in os.environ:
@@ -76,6 +132,9 @@ def train_in_process_group(args) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
+    resolve_device_defaults(args, device.type)
+    dtype = resolve_dtype(args.dtype, device)
+    check_attention(args.attn_implementation, device, dtype)
 
     # -- process group --------------------------------------------------------------------------------
     backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -83,65 +142,20 @@ def train_in_process_group(args) -> None:
                             device_id=device if device.type == "cuda" else None)
     try:
         with releasing_process_group():  # what holds the group lets go of it, however training ends
-            train(args, device, gpus, backend, started)
+            train(args, device, dtype, gpus, backend, started)
     finally:
         dist.destroy_process_group()
         gc.collect()  # FSDP's sharded modules can become collectable only once the group is gone
 
 
-def train(args, device, gpus: list[int], backend: str, started: float) -> None:
+def train(args, device, dtype, gpus: list[int], backend: str, started: float) -> None:
     """Data, model, the training loop and the output, on every rank of the process group."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader
-    from tqdm.auto import tqdm
-
-    from alpaca.args import parse_position, resolve_device_defaults
-    from alpaca.checkpoint import (
-        StopSignal,
-        TrainerState,
-        geometry,
-        load_checkpoint,
-        prepare_output_dir,
-        restore_training_state,
-        rng_state,
-        save_checkpoint,
-        save_output,
-    )
-    from alpaca.data import (
-        DistributedGlobalBatchSampler,
-        StepCollator,
-        eval_batches,
-        give_step_counts,
-        loader_workers,
-        step_counts,
-    )
-    from alpaca.distributed import gather_rank_report, main_rank_result, run_checked
-    from alpaca.generation import sample_answers
-    from alpaca.loss import evaluate
-    from alpaca.model import check_attention, describe, resolve_dtype
-    from alpaca.optim import StepSchedule, build_optimizer
-    from alpaca.output import (
-        LogWindow,
-        MetricsLog,
-        eval_record,
-        quiet_non_main_rank,
-        save_args,
-        start_line,
-        train_record,
-    )
-    from alpaca.strategy import choose_strategy, local_parameter_bytes
-
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     is_main = rank == 0
     if not is_main:  # other ranks print errors only
         quiet_non_main_rank()
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
-    resolve_device_defaults(args, device.type)
     position = parse_position(args.position)
-    dtype = resolve_dtype(args.dtype, device)
-    check_attention(args.attn_implementation, device, dtype)
     strategy = choose_strategy(args, device, dtype, gpus)  # DDP (--device_map), --fsdp or --deepspeed: asked once
     resume_from = main_rank_result(lambda: prepare_output_dir(args), is_main, device)  # before anything loads
 
@@ -188,24 +202,13 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
             return run_checked(lambda: save_checkpoint(args.output_dir, step, reft_model, trainer_state,
                                                        args.save_total_limit), participate=is_main, device=device)
 
-    # -- data: each rank's share of each global batch, one DataLoader item per optimizer step -----------------
-    lengths = np.array(dataset["length"])
-    sampler = DistributedGlobalBatchSampler(
-        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, num_replicas=world_size,
-        rank=rank, seed=args.seed, lengths=lengths if args.group_by_length else None,
-        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
-    # its micro-batches collated in workers (--dataloader_num_workers), ahead of the step
-    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
-                        collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
-                        **loader_workers(args.dataloader_num_workers))
-    placeholder = collate([dataset[0]])  # run at zero weight where a rank's share of a global batch falls short
-    eval_order = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
+    # -- data: each rank's share of each global batch, one DataLoader item per optimizer step -------------
+    sampler, loader, placeholder, eval_order = loaders(args, dataset, eval_dataset, collate, device, rank, world_size)
     # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
     host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
 
     # -- train ------------------------------------------------------------------------------------
-    progress = tqdm(total=schedule.total_steps, initial=step, desc="training", dynamic_ncols=True,
-                    disable=not is_main)
+    progress = tqdm(total=schedule.total_steps, initial=step, desc="training", dynamic_ncols=True, disable=not is_main)
     eval_time, epoch = 0.0, start_epoch
     dist.barrier()  # rank 0 may have spent a while starting wandb: start every rank's clock together
     train_start = window_start = time.perf_counter()
@@ -214,20 +217,14 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
         sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
             end_of_epoch = index == len(sampler.global_batches) - 1
-            # One all-reduce gives the step's counts (counted on the host by the collator) and whether any rank
-            # was asked to stop.
+            # One all-reduce: the step's counts (counted on the host by the collator), and whether to stop.
             agreed = torch.tensor([*step_counts(micro_batches), stop.received is not None])
             dist.all_reduce(agreed, group=host_group)
             *counts, stopping = agreed.tolist()
             give_step_counts([*micro_batches, placeholder], counts)
             step_label_tokens = counts[0]
             if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
-                path = checkpoint(epoch, next_batch=index)
-                if is_main:
-                    metrics.close()
-                    print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; "
-                          f"checkpoint in {path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
-                sys.exit(stop.exit_code if stop.received else 1)
+                exit_preempted(stop, step, checkpoint(epoch, next_batch=index), metrics)
             learning_rate = scheduler.get_last_lr()[0]
             backward_step(strategy, train_model, micro_batches, sampler.micro_steps(index), placeholder,
                           step_label_tokens, window, device, gpus)
@@ -267,19 +264,47 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
     throughput = gather_rank_report(window.tokens_seen / train_time, base_bytes, device)
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers, synced_ranks=strategy.shards_base)
                if args.num_sample_answers > 0 and (is_main or strategy.shards_base) else None)
-
-    def write_outputs() -> None:
-        save_output(reft_model, metrics, args.output_dir)
-        print(f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: {throughput}; "
-              f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
-              f"{args.output_dir}/")
-        if answers:
-            print(answers)
-        print(f"Done in {time.perf_counter() - started:.0f}s.")
-
     with strategy.gathered():
-        run_checked(write_outputs, participate=is_main, device=device)
+        run_checked(lambda: save_and_report(args, reft_model, metrics, answers, started, f"Trained to step {step} in "
+                                            f"{train_time:.0f}s on {world_size} processes: {throughput}"),
+                    participate=is_main, device=device)
 
+
+def exit_preempted(stop: StopSignal, step: int, checkpoint: Path, metrics: MetricsLog | None) -> NoReturn:
+    """Rank 0 (the one with `metrics`) closes its log and says where the checkpoint is. Every rank exits 128 + the
+    signal's number, or 1 where the signal came to another rank."""
+    if metrics is not None:
+        metrics.close()
+        print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; checkpoint in "
+              f"{checkpoint}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
+    sys.exit(stop.exit_code if stop.received else 1)
+
+
+def loaders(args, dataset, eval_dataset, collate, device, rank: int, world_size: int):
+    """This rank's share of each global batch, one DataLoader item per optimizer step; the placeholder batch run
+    at zero weight where a rank's share of a global batch falls short; the evaluation's batches."""
+    lengths = np.array(dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, num_replicas=world_size,
+        rank=rank, seed=args.seed, lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    # its micro-batches collated in workers (--dataloader_num_workers), ahead of the step
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+                        collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
+                        **loader_workers(args.dataloader_num_workers))
+    placeholder = collate([dataset[0]])
+    eval_order = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
+    return sampler, loader, placeholder, eval_order
+
+
+def save_and_report(args, reft_model, metrics, answers: str | None, started: float, trained: str) -> None:
+    """Rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png, and the last lines."""
+    save_output(reft_model, metrics, args.output_dir)
+    print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
+          f"{args.output_dir}/")
+    if answers:
+        print(answers)
+    print(f"Done in {time.perf_counter() - started:.0f}s.")
 
 def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps: int, placeholder: dict,
                   step_label_tokens: int, window, device, gpus: list[int]) -> None:
@@ -288,11 +313,6 @@ def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps:
     the most packs of any rank) runs zero-weight placeholders, as many as the strategy's collectives need;
     they draw no dropout masks (the RNG states of the host and of the process's `gpus` are put back), so the
     real micro-batches draw the same ones under every strategy."""
-    import torch
-    import torch.distributed as dist
-
-    from alpaca.loss import summed_token_loss, token_weighted_loss
-
     missing = micro_steps - len(micro_batches)
     micro_batches = [*micro_batches, *[None] * strategy.placeholders(missing)]
     for micro_step, batch in enumerate(micro_batches):
@@ -309,21 +329,6 @@ def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps:
 def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device):
     """The data and the ReFT model, checked before the weights load. Caches are filled by each node's first
     process (model conversion, tokenization), then read by the others."""
-    import torch
-    import torch.distributed as dist
-
-    from alpaca.checkpoint import training_fingerprint
-    from alpaca.data import Collator, load_splits, prepare_dataset
-    from alpaca.distributed import first_on_local_main, run_checked
-    from alpaca.model import (
-        build_reft_model,
-        check_model,
-        compile_decoder_layers,
-        enable_gradient_checkpointing,
-        num_intervened_layers,
-        set_attention,
-    )
-
     rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
     records, eval_records = run_checked(
         lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
@@ -353,4 +358,4 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

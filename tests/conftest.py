@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import json
 import os
 import platform
 import re
+import runpy
 import shlex
 import shutil
 import signal
@@ -207,26 +207,24 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
 
 
 def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
-    """`main(argv)` of one of the project's scripts (train.py, train_multigpu.py, examples/generate.py) in this
-    process: (exit status, stdout, stderr). For runs where no process boundary is under test (usage errors,
-    refused resumes, runs that others are compared with, resumes after a crash); it saves the ~7 s of imports
-    a fresh interpreter pays. The environment (train_multigpu.py sets a world of one) and the stop-signal
-    handlers are restored afterwards."""
-    directory = str((REPO / script).parent)
-    if directory not in sys.path:
-        sys.path.append(directory)
-    module = importlib.import_module(Path(script).stem)
+    """One of the project's scripts (train.py, train_multigpu.py, examples/generate.py) run as `python script argv`
+    runs it, but in this process: (exit status, stdout, stderr). For runs where no process boundary is under test
+    (usage errors, refused resumes, runs that others are compared with, resumes after a crash); it saves the ~7 s
+    of imports a fresh interpreter pays. The environment (train_multigpu.py sets a world of one), sys.argv and
+    the stop-signal handlers are restored afterwards."""
     handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
-    environment = dict(os.environ)
+    environment, saved_argv = dict(os.environ), sys.argv
     stdout, stderr, status = io.StringIO(), io.StringIO(), 0
     try:
+        sys.argv = [str(REPO / script), *(str(arg) for arg in argv)]
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            module.main([str(arg) for arg in argv])
+            runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as exit:
         if isinstance(exit.code, str):  # what the interpreter does with sys.exit(message)
             stderr.write(exit.code + "\n")
         status = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
     finally:
+        sys.argv = saved_argv
         for number, handler in handlers.items():
             signal.signal(number, handler)
         os.environ.clear()

@@ -146,15 +146,15 @@ def test_help_and_usage_errors_of_both_scripts_need_no_heavy_imports(tmp_path):
     cases = [["--help"], ["--layers", "8;x"], ["--learning_rate", "x"], ["--deepspeed", str(tmp_path / "none.json")],
              ["--deepspeed", str(bad_json)], ["--deepspeed", str(refused)]]
     code = f"""
-import contextlib, io, json, sys
-import train, train_multigpu
+import contextlib, io, json, runpy, sys
 answers = []
-for script in (train, train_multigpu):
+for script in ("train.py", "train_multigpu.py"):
     for argv in {cases!r}:
         out, err = io.StringIO(), io.StringIO()
+        sys.argv = [script, *argv]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                script.main(argv)
+                runpy.run_path(script, run_name="__main__")
             except SystemExit as exit:
                 answers.append([exit.code, out.getvalue()[:40], err.getvalue()])
 heavy = sorted(m for m in ("torch", "transformers", "datasets", "pyvene", "pyreft") if m in sys.modules)
