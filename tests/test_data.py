@@ -294,11 +294,6 @@ def test_dataloader_workers_give_the_same_steps_survive_a_stop_signal_and_end_wi
     assert same(in_process, in_workers)
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tiny_chat_model):
-    return load_base_model(str(tiny_chat_model), torch.float32, torch.device("cpu"))[1]
-
-
 def test_chat_template_makes_the_record_a_user_and_an_assistant_turn(chat_tokenizer, tiny_data):
     """Instruction (+ input) is the user turn; the rendered prompt is tokenized as is (the template's BOS only);
     the labels are the output's tokens and EOS, as with the Alpaca prompt; l1 is the prompt's last token."""
