@@ -9,6 +9,7 @@ from conftest import (
     NOISE_MARGIN,
     assert_within_rounding,
     intervention_weights,
+    loss_and_gradients,
     relative_deviation,
     run_in_process,
     write_records,
@@ -159,11 +160,6 @@ def test_each_component_is_intervened_on_saved_and_loaded_back(tiny_model, tiny_
     batch = Collator(tokenizer.pad_token_id, POSITION, False, num_layers=2)(
         list(tokenize(load_records(str(tiny_data)), tokenizer, 512))[:5])
 
-    def loss_and_gradients(reft_model):
-        loss = summed_token_loss(reft_model, batch, CPU)
-        parameters = [p for _, p in intervention_parameters(reft_model)]
-        return loss.detach(), torch.autograd.grad(loss, parameters)
-
     def built(component):
         torch.manual_seed(0)
         reft_model = build_reft_model(model, "1;2", POSITION, False, low_rank_dimension=4, component=component)
@@ -171,12 +167,12 @@ def test_each_component_is_intervened_on_saved_and_loaded_back(tiny_model, tiny_
             torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
         return reft_model
 
-    block_loss, _ = loss_and_gradients(built("block_output"))
+    block_loss, _ = loss_and_gradients(built("block_output"), batch)
     reft_model = built(component)
-    ours_loss, ours = loss_and_gradients(reft_model)
+    ours_loss, ours = loss_and_gradients(reft_model, batch)
     assert not torch.allclose(ours_loss, block_loss)
     del reft_model._scatter_intervention_output  # back to pyvene's method
-    pyvenes_loss, pyvenes = loss_and_gradients(reft_model)
+    pyvenes_loss, pyvenes = loss_and_gradients(reft_model, batch)
     assert torch.equal(ours_loss, pyvenes_loss)
     assert all(torch.equal(actual, expected) for actual, expected in zip(ours, pyvenes))
 
