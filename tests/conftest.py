@@ -180,10 +180,13 @@ def run_script(args: list[str], cwd: Path = REPO, env: dict | None = None, timeo
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+LAYERS = "1;2"  # the tiny model's layers intervened on: of its 4, one below them and one above
+
+
 def training_flags(model, data, output_dir, *extra) -> list[str]:
     """The command line of a run of `model` on `data` into `output_dir` (each left out where None) intervening
-    on the tiny model's layers 1 and 2 (of 0..3), then `extra`; a flag named in `extra` replaces its default."""
-    defaults = {"--model_name_or_path": model, "--data_path": data, "--output_dir": output_dir, "--layers": "1;2"}
+    on LAYERS, then `extra`; a flag named in `extra` replaces its default."""
+    defaults = {"--model_name_or_path": model, "--data_path": data, "--output_dir": output_dir, "--layers": LAYERS}
     return [*(token for name, value in defaults.items() if value is not None and name not in extra
               for token in (name, str(value))), *extra]
 
@@ -600,7 +603,7 @@ def pyreft_command_line(tiny_model, tiny_data):
     documented = readme_command("train.py")
     output_dir = documented.index("--output_dir")
     del documented[output_dir: output_dir + 2]
-    replaced = {"--model_name_or_path": str(tiny_model), "--data_path": str(tiny_data), "--layers": "1;2"}
+    replaced = {"--model_name_or_path": str(tiny_model), "--data_path": str(tiny_data), "--layers": LAYERS}
     return [replaced.get(documented[i - 1], token) if i else token for i, token in enumerate(documented)] + [
         "--optim", "adamw_torch", "--remove_unused_columns", "False"]
 

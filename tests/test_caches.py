@@ -5,7 +5,7 @@ import json
 import multiprocessing
 
 import torch
-from conftest import build_tiny_model, copy_as_killed, disk_map, run_in_process, write_records
+from conftest import build_tiny_model, copy_as_killed, disk_map, run_in_process, training_flags, write_records
 
 import alpaca.data
 import alpaca.model
@@ -17,9 +17,10 @@ from alpaca.model import embedded_model_dir, load_base_model
 GGUF_KEY = {"dequantize": False, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "quant_method": "gguf"}
 
 
-def run_flags(data, output_dir, cache_dir, *extra) -> list:
-    return ["--data_path", data, "--output_dir", output_dir, "--cache_dir", cache_dir, "--layers", "1;2",
-            "--max_steps", "1", "--num_sample_answers", "0", "--overwrite_output_dir", *extra]
+def run_flags(data, output_dir, cache_dir, *extra) -> list[str]:
+    """A one-step run on `data` with its caches in `cache_dir`, of the default model unless `extra` names one."""
+    return training_flags(None, data, output_dir, "--cache_dir", cache_dir, "--max_steps", "1", "--num_sample_answers",
+                          "0", "--overwrite_output_dir", *extra)
 
 
 def test_a_tokenized_cache_cut_short_is_rebuilt(tiny_model, tmp_path):
@@ -138,9 +139,9 @@ def test_a_default_model_converted_in_an_earlier_format_is_converted_again_and_i
     write_manifest(earlier)
     weights = (earlier / "model.safetensors").read_bytes()
 
-    args = ["--data_path", tiny_data, "--cache_dir", tmp_path / "cache", "--layers", "1;2", "--max_steps", "4",
-            "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size",
-            "2", "--num_sample_answers", "0"]
+    args = training_flags(None, tiny_data, None, "--cache_dir", tmp_path / "cache", "--max_steps", "4",
+                          "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+                          "--per_device_train_batch_size", "2", "--num_sample_answers", "0")
     with monkeypatch.context() as earlier_run:  # a run on the earlier conversion
         earlier_run.setattr(alpaca.model, "embedded_model_dir", lambda cache_dir=None: earlier)
         status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "old"])

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, disk_map, run_in_process, run_script
+from conftest import REPO, disk_map, run_in_process, run_script, training_flags
 
 from alpaca.data import render_prompt
 from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
@@ -132,10 +132,9 @@ def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny
 
     monkeypatch.setattr(alpaca.generation, "render_prompt", recording_render_prompt)
     output_dir = tmp_path / "chat"
-    status, stdout, stderr = run_in_process("train.py", [
-        "--model_name_or_path", tiny_chat_model, "--data_path", tiny_data, "--output_dir", output_dir,
-        "--prompt_template", "chat", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers", "1",
-        "--max_new_tokens", "4"])
+    status, stdout, stderr = run_in_process("train.py", training_flags(
+        tiny_chat_model, tiny_data, output_dir, "--prompt_template", "chat", "--max_steps", "2",
+        "--num_sample_answers", "1", "--max_new_tokens", "4"))
     assert status == 0, stderr[-3000:]
     assert json.loads((output_dir / "training_args.json").read_text())["prompt_template"] == "chat"
     chat_prompt = f"<s><|im_start|>user\n{SAMPLE_INSTRUCTIONS[0]}</s>\n<|im_start|>assistant\n"

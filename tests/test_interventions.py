@@ -12,6 +12,7 @@ from conftest import (
     loss_and_gradients,
     relative_deviation,
     run_in_process,
+    training_flags,
     write_records,
 )
 
@@ -116,11 +117,10 @@ def test_a_bf16_run_at_a_small_learning_rate_changes_every_learned_entry(tiny_mo
     weights = {}
     for learning_rate in ("2e-5", "1e-30"):
         output = tmp_path / learning_rate
-        status, _, stderr = run_in_process("train.py", [
-            "--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", output, "--dtype", "bfloat16",
-            "--intervention", intervention, "--layers", "1;2", "--learning_rate", learning_rate,
-            "--lr_scheduler_type", "constant", "--max_steps", "15", "--per_device_train_batch_size", "4",
-            "--num_sample_answers", "0"])
+        status, _, stderr = run_in_process("train.py", training_flags(
+            tiny_model, data, output, "--dtype", "bfloat16", "--intervention", intervention, "--learning_rate",
+            learning_rate, "--lr_scheduler_type", "constant", "--max_steps", "15", "--per_device_train_batch_size",
+            "4", "--num_sample_answers", "0"))
         assert status == 0, stderr[-3000:]
         weights[learning_rate] = {key: tensor for key, tensor in intervention_weights(output).items()
                                   if tensor.is_floating_point()}
@@ -133,9 +133,9 @@ def test_a_bf16_run_at_a_small_learning_rate_changes_every_learned_entry(tiny_mo
 def test_noreft_trains_end_to_end_and_generate_loads_it(tiny_model, tmp_path):
     """NoReFT needs `add_bias`, which pyreft's own loader cannot know (KeyError: 'add_bias')."""
     output = tmp_path / "out"
-    status, _, stderr = run_in_process("train.py", [
-        "--model_name_or_path", tiny_model, "--data_path", write_records(tmp_path / "data.json", 6), "--output_dir",
-        output, "--intervention", "noreft", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers", "0"])
+    status, _, stderr = run_in_process("train.py", training_flags(
+        tiny_model, write_records(tmp_path / "data.json", 6), output, "--intervention", "noreft", "--max_steps", "2",
+        "--num_sample_answers", "0"))
     assert status == 0, stderr[-3000:]
     status, stdout, stderr = run_in_process("examples/generate.py", ["--reft_dir", output, "--instruction",
                                                                      "Name three primary colors.",

@@ -13,6 +13,7 @@ from conftest import (
     run_in_process,
     threads_left,
     torchrun,
+    training_flags,
 )
 
 from alpaca.data import global_batches, rank_micro_batches
@@ -127,9 +128,8 @@ def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
 
     from alpaca.model import build_reft_model, load_base_model
 
-    status, _, stderr = run_in_process("train_multigpu.py", ["--model_name_or_path", tiny_model, "--data_path",
-                                                             tiny_data, *COMMON, "--max_steps", "2", "--dtype",
-                                                             "bfloat16", "--output_dir", tmp_path])
+    status, _, stderr = run_in_process("train_multigpu.py", training_flags(tiny_model, tiny_data, tmp_path, *COMMON,
+                                                                           "--max_steps", "2", "--dtype", "bfloat16"))
     assert status == 0, stderr[-3000:]
     base, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
     reft_model = pyreft.ReftModel.load(str(tmp_path), base)
