@@ -85,12 +85,16 @@ def tiny_chat_model(tiny_model, tmp_path_factory) -> Path:
     return with_chat_template(tiny_model, tmp_path_factory.mktemp("tiny-chat") / "model")
 
 
-@pytest.fixture(scope="session")
-def chat_tokenizer(tiny_chat_model):
-    """The tiny chat model's tokenizer as the scripts load it: right padding, a pad token."""
+def scripts_tokenizer(model_dir):
+    """The tokenizer of the model in `model_dir` as the scripts load it: right padding, a pad token."""
     from alpaca.model import load_base_model
 
-    return load_base_model(str(tiny_chat_model), torch.float32, torch.device("cpu"))[1]
+    return load_base_model(str(model_dir), torch.float32, torch.device("cpu"))[1]
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tiny_chat_model):
+    return scripts_tokenizer(tiny_chat_model)
 
 
 # A tensor put in oneDNN's layout in a fresh interpreter, with oneDNN telling which
@@ -127,6 +131,11 @@ def private_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    return scripts_tokenizer(tiny_model)
 
 
 @pytest.fixture(scope="session")
