@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, disk_map, run_in_process, run_script, training_flags
+from conftest import LAYERS, REPO, disk_map, run_in_process, run_script, training_flags
 
 from alpaca.data import render_prompt
 from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
@@ -25,7 +25,7 @@ def untrained(runs, tiny_tied_model, tmp_path_factory):
     shutil.copy(root / "single" / "training_args.json", directory)
     model, _ = load_base_model(str(tiny_tied_model), torch.float32, torch.device("cpu"))
     torch.manual_seed(42)
-    save_interventions(build_reft_model(model, "1;2", (2, 2), False, low_rank_dimension=4), directory)
+    save_interventions(build_reft_model(model, LAYERS, (2, 2), False, low_rank_dimension=4), directory)
     return directory
 
 

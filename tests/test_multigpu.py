@@ -7,6 +7,7 @@ import torch
 from conftest import (
     COMMON,
     FAULTS,
+    LAYERS,
     assert_same_run,
     copy_as_killed,
     intervention_weights,
@@ -136,7 +137,7 @@ def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
     saved = intervention_weights(tmp_path)
     fresh, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
     torch.manual_seed(42)  # the run's --seed: its initial interventions
-    initial = build_reft_model(fresh, "1;2", (2, 2), False, low_rank_dimension=4).interventions
+    initial = build_reft_model(fresh, LAYERS, (2, 2), False, low_rank_dimension=4).interventions
     for key, intervention in reft_model.interventions.items():
         assert torch.equal(intervention.learned_source.weight, saved[f"intkey_{key}.bin/weight"].bfloat16())
         assert torch.equal(intervention.rotate_layer.weight, saved[f"intkey_{key}.bin/rotate_layer"])
