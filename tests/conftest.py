@@ -85,6 +85,18 @@ def tiny_chat_model(tiny_model, tmp_path_factory) -> Path:
     return with_chat_template(tiny_model, tmp_path_factory.mktemp("tiny-chat") / "model")
 
 
+def scripts_tokenizer(model_dir):
+    """The tokenizer of the model in `model_dir` as the scripts load it: right padding, a pad token."""
+    from alpaca.model import load_base_model
+
+    return load_base_model(str(model_dir), torch.float32, torch.device("cpu"))[1]
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tiny_chat_model):
+    return scripts_tokenizer(tiny_chat_model)
+
+
 # A tensor put in oneDNN's layout in a fresh interpreter, with oneDNN telling which
 # instruction set it dispatches to.
 ONEDNN_ISA_PROBE = ("import torch; torch.ones(1, 8, 8, 8).to_mkldnn(); "
@@ -119,6 +131,11 @@ def private_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    return scripts_tokenizer(tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -172,8 +189,22 @@ def run_script(args: list[str], cwd: Path = REPO, env: dict | None = None, timeo
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-COMMON = ["--layers", "1;2", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--num_train_epochs",
-          "3", "--logging_steps", "1", "--num_sample_answers", "0", "--warmup_steps", "2"]
+LAYERS = "1;2"  # the tiny model's layers intervened on: of its 4, one below them and one above
+
+
+def training_flags(model, data, output_dir, *extra) -> list[str]:
+    """The command line of a run of `model` on `data` into `output_dir` (each left out where None) intervening
+    on LAYERS, then `extra`; a flag named in `extra` replaces its default."""
+    defaults = {"--model_name_or_path": model, "--data_path": data, "--output_dir": output_dir, "--layers": LAYERS}
+    return [*(token for name, value in defaults.items() if value is not None and name not in extra
+              for token in (name, str(value))), *extra]
+
+
+# What the equivalence runs (COMMON, FLAGS) add to training_flags: windows of 2 at both ends of the prompt, rank 4,
+# a learning rate that moves the tiny model within a few steps after 2 warmup steps, each step logged.
+EQUIVALENCE_RUN = ["--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--logging_steps", "1",
+                   "--num_sample_answers", "0", "--warmup_steps", "2"]
+COMMON = [*EQUIVALENCE_RUN, "--num_train_epochs", "3"]
 
 
 # torchrun looks at its workers only every 10 s: a rank that ends within a test's time ended on its own.
@@ -260,6 +291,16 @@ def copy_as_killed(run_dir: Path, directory: Path, last_checkpoint: int) -> Path
 def intervention_weights(directory) -> dict[str, torch.Tensor]:
     return {f"{path.name}/{name}": tensor for path in sorted(Path(directory).glob("intkey_*.bin"))
             for name, tensor in torch.load(path, weights_only=True).items()}
+
+
+def loss_and_gradients(reft_model, batch: dict, forward=None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`batch`'s summed token loss on CPU, through `forward` (what wraps `reft_model` in training) or else
+    `reft_model`, and its gradients with respect to the interventions' parameters."""
+    from alpaca.loss import summed_token_loss
+    from alpaca.model import intervention_parameters
+
+    loss = summed_token_loss(reft_model if forward is None else forward, batch, torch.device("cpu"))
+    return loss.detach(), torch.autograd.grad(loss, [parameter for _, parameter in intervention_parameters(reft_model)])
 
 
 def reloaded_eval_loss(run_dir, model_dir, records, dtype: torch.dtype = torch.float32) -> float:
@@ -488,9 +529,8 @@ def runs(tiny_tied_model, tiny_data, tiny_eval_data, tmp_path_factory):
     is partial (5 examples), and in it rank 1's last micro-batch is empty. Evaluated on 5 held-out examples at
     steps 4, 8 and 9 (the last). Returns the runs' root and the flags given to the recipes."""
     root = tmp_path_factory.mktemp("runs")
-    data = ["--model_name_or_path", str(tiny_tied_model), "--data_path", str(tiny_data), *COMMON,
-            "--eval_data_path", str(tiny_eval_data), "--eval_strategy", "steps", "--eval_steps", "4",
-            "--per_device_eval_batch_size", "2"]
+    data = training_flags(tiny_tied_model, tiny_data, None, *COMMON, "--eval_data_path", str(tiny_eval_data),
+                          "--eval_strategy", "steps", "--eval_steps", "4", "--per_device_eval_batch_size", "2")
     single = recipe("single_gpu.sh", data, {"OUTPUT_DIR": str(root / "single")})
     assert single.returncode == 0, single.stderr[-3000:]
     assert "global batch 8 = 2 per device x 4 accumulation" in single.stdout
@@ -516,10 +556,9 @@ def fsdp_runs(runs):
 # Dropout makes the RNG part of the state: an exact resume must restore it, and evaluation must switch it off.
 # 21 records, 4 held out for evaluation (at steps 4, 8 and 9): 17 to train on, 3 steps an epoch (8, 8, 1), so
 # checkpoint-2, -4 and -8 fall inside an epoch and checkpoint-6 at its end.
-FLAGS = ["--layers", "1;2", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--dropout", "0.1",
-         "--max_steps", "9", "--logging_steps", "1", "--num_sample_answers", "0", "--save_strategy", "steps",
-         "--save_steps", "2", "--per_device_train_batch_size", "2", "--warmup_steps", "2", "--eval_split_ratio",
-         "0.15", "--eval_strategy", "steps", "--eval_steps", "4", "--per_device_eval_batch_size", "2"]
+FLAGS = [*EQUIVALENCE_RUN, "--dropout", "0.1", "--max_steps", "9", "--save_strategy", "steps", "--save_steps", "2",
+         "--per_device_train_batch_size", "2", "--eval_split_ratio", "0.15", "--eval_strategy", "steps",
+         "--eval_steps", "4", "--per_device_eval_batch_size", "2"]
 # The reference runs' geometry, global batch 8. They log every 2 and every 3 steps, so that a resume restores a
 # partial logging window: of one process after a stop signal at step 5 or from checkpoint-3, of two processes
 # (summed over the ranks) from checkpoint-4.
@@ -540,9 +579,9 @@ def disk_map() -> str:
                        for name in modules})
 
 
-def flags(tiny_model, tiny_data, output_dir, *extra):
-    return ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data), "--output_dir",
-            str(output_dir), *FLAGS, *extra]
+def flags(tiny_model, tiny_data, output_dir, *extra) -> list[str]:
+    """The reference runs' command line (FLAGS), then `extra`."""
+    return training_flags(tiny_model, tiny_data, output_dir, *FLAGS, *extra)
 
 
 @pytest.fixture(scope="session")
@@ -571,7 +610,7 @@ def pyreft_command_line(tiny_model, tiny_data):
     documented = readme_command("train.py")
     output_dir = documented.index("--output_dir")
     del documented[output_dir: output_dir + 2]
-    replaced = {"--model_name_or_path": str(tiny_model), "--data_path": str(tiny_data), "--layers": "1;2"}
+    replaced = {"--model_name_or_path": str(tiny_model), "--data_path": str(tiny_data), "--layers": LAYERS}
     return [replaced.get(documented[i - 1], token) if i else token for i, token in enumerate(documented)] + [
         "--optim", "adamw_torch", "--remove_unused_columns", "False"]
 

@@ -19,6 +19,7 @@ from conftest import (
     intervention_weights,
     logged_values,
     run_script,
+    training_flags,
 )
 
 from alpaca.args import parse_args
@@ -126,8 +127,8 @@ def run_guide_command(command: str, copy, tiny_model, tiny_chat_model, data, *fl
     shipped_data = "--data_path" in words and (copy / words[words.index("--data_path") + 1]).exists()
     data_flags = [] if shipped_data else ["--field_map", "question=instruction,answer=output", "--data_path", str(data)]
     extra = ["--max_new_tokens", "4", "--instruction", "Name three primary colors."] if "generate.py" in command \
-        else ["--model_name_or_path", str(model), "--layers", "1;2", "--max_steps", "2", "--logging_steps", "1",
-              "--num_sample_answers", "0", *data_flags, *flags]
+        else training_flags(model, None, None, "--max_steps", "2", "--logging_steps", "1", "--num_sample_answers", "0",
+                            *data_flags, *flags)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port())] \
         if words[0] == "torchrun" else None
     # One thread, as torchrun gives each of its workers: the kernels then sum in the same order, and what the

@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from conftest import run_in_process, torchrun, write_records
+from conftest import run_in_process, torchrun, training_flags, write_records
 
 SENTINEL = "an earlier result\n"
 
@@ -130,10 +130,10 @@ def test_bad_input(name, flags, message, tiny_model, tmp_path, output_dir):
     paths = {**{key: str(value) for key, value in bad_data(tmp_path).items()}, "output_dir": str(output_dir),
              "model": str(tiny_model)}
     flags, message = [flag.format(**paths) for flag in flags], message.format(**paths)
-    defaults = {"--model_name_or_path": str(tiny_model), "--data_path": str(write_records(tmp_path / "ok.json", 5)),
-                "--output_dir": str(output_dir), "--layers": "1;2", "--num_sample_answers": "0", "--max_steps": "1"}
-    args = [item for key, value in defaults.items() if key not in flags for item in (key, value)]
-    status, _, stderr = run_in_process("train.py", [*args, *flags])
+    one_step = [item for key, value in {"--num_sample_answers": "0", "--max_steps": "1"}.items() if key not in flags
+                for item in (key, value)]
+    args = training_flags(tiny_model, write_records(tmp_path / "ok.json", 5), output_dir, *one_step, *flags)
+    status, _, stderr = run_in_process("train.py", args)
     assert status == 2, stderr[-2000:]
     # One error line, the last thing printed (progress bars of the work done before it may precede it).
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
@@ -146,8 +146,7 @@ def test_bad_input(name, flags, message, tiny_model, tmp_path, output_dir):
 @pytest.mark.fast
 def test_a_finished_run_is_not_overwritten(tiny_model, tmp_path, output_dir):
     data = write_records(tmp_path / "ok.json", 5)
-    args = ["--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", output_dir, "--layers", "1;2",
-            "--num_sample_answers", "0", "--max_steps", "1"]
+    args = training_flags(tiny_model, data, output_dir, "--num_sample_answers", "0", "--max_steps", "1")
     assert run_in_process("train.py", args)[0] == 0
     finished = {p.name: p.read_bytes() for p in output_dir.iterdir()}
     status, _, stderr = run_in_process("train.py", [*args, "--learning_rate", "1"])
@@ -159,9 +158,8 @@ def test_a_finished_run_is_not_overwritten(tiny_model, tmp_path, output_dir):
 
 
 def test_more_processes_than_examples(tiny_model, tmp_path, output_dir):
-    result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
-                          str(write_records(tmp_path / "one.json", 1)), "--output_dir", str(output_dir),
-                          "--layers", "1;2", "--num_sample_answers", "0"])
+    result = torchrun(2, ["train_multigpu.py", *training_flags(tiny_model, write_records(tmp_path / "one.json", 1),
+                                                               output_dir, "--num_sample_answers", "0")])
     assert result.returncode != 0
     assert result.stderr.count("1 training examples for 2 processes: every process needs at least one") == 1
     assert (output_dir / "notes.txt").read_text() == SENTINEL
@@ -208,8 +206,8 @@ def test_non_ascii_and_very_long_records_just_work(tiny_model, tmp_path):
         {"instruction": "Repeat the word 'ok'.", "input": "", "output": "ok " * 5000},
     ]
     data = write(tmp_path / "unicode.jsonl", "\n".join(json.dumps(r, ensure_ascii=False) for r in records))
-    status, stdout, stderr = run_in_process("train.py", [
-        "--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", tmp_path / "out", "--layers", "1;2",
-        "--num_sample_answers", "1", "--max_new_tokens", "4", "--max_steps", "2", "--per_device_train_batch_size", "2"])
+    status, stdout, stderr = run_in_process("train.py", training_flags(
+        tiny_model, data, tmp_path / "out", "--num_sample_answers", "1", "--max_new_tokens", "4", "--max_steps", "2",
+        "--per_device_train_batch_size", "2"))
     assert status == 0, stderr[-3000:]
     assert "Dropped 1 example(s) whose prompt alone reaches --model_max_length" in stdout

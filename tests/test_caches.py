@@ -4,22 +4,22 @@ one-line notice, never a traceback; concurrent first runs on one cache share it.
 import json
 import multiprocessing
 
-import torch
-from conftest import build_tiny_model, copy_as_killed, disk_map, run_in_process, write_records
+from conftest import build_tiny_model, copy_as_killed, disk_map, run_in_process, training_flags, write_records
 
 import alpaca.data
 import alpaca.model
 from alpaca.data import load_records, prepare_dataset, tokenize
 from alpaca.manifest import MANIFEST, directory_problem, write_manifest
-from alpaca.model import embedded_model_dir, load_base_model
+from alpaca.model import embedded_model_dir
 
 # What transformers' GGUF loader puts in the default model's config, and conversions before version 2 kept.
 GGUF_KEY = {"dequantize": False, "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "quant_method": "gguf"}
 
 
-def run_flags(data, output_dir, cache_dir, *extra) -> list:
-    return ["--data_path", data, "--output_dir", output_dir, "--cache_dir", cache_dir, "--layers", "1;2",
-            "--max_steps", "1", "--num_sample_answers", "0", "--overwrite_output_dir", *extra]
+def run_flags(data, output_dir, cache_dir, *extra) -> list[str]:
+    """A one-step run on `data` with its caches in `cache_dir`, of the default model unless `extra` names one."""
+    return training_flags(None, data, output_dir, "--cache_dir", cache_dir, "--max_steps", "1", "--num_sample_answers",
+                          "0", "--overwrite_output_dir", *extra)
 
 
 def test_a_tokenized_cache_cut_short_is_rebuilt(tiny_model, tmp_path):
@@ -39,9 +39,8 @@ def test_a_tokenized_cache_cut_short_is_rebuilt(tiny_model, tmp_path):
     assert "Traceback" not in stderr and directory_problem(cache) is None
 
 
-def test_a_tokenized_cache_with_a_flipped_byte_is_rebuilt(tiny_model, tiny_data, tmp_path, capsys):
+def test_a_tokenized_cache_with_a_flipped_byte_is_rebuilt(tokenizer, tiny_data, tmp_path, capsys):
     """Damage that keeps the size (a token id changed): the SHA-256 tells it; the rebuilt cache is the data."""
-    tokenizer = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))[1]
     records = load_records(str(tiny_data))
     prepare_dataset(records, tokenizer, 512, str(tmp_path))
     [cache] = (tmp_path / "tokenized").iterdir()
@@ -69,8 +68,7 @@ def first_run(tokenizer, data_path: str, cache_dir: str, both_tokenizing, result
     results.put(prepare_dataset(load_records(data_path), tokenizer, 512, cache_dir)["input_ids"])
 
 
-def test_concurrent_first_runs_share_one_cache(tiny_model, tiny_data, tmp_path):
-    tokenizer = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))[1]
+def test_concurrent_first_runs_share_one_cache(tokenizer, tiny_data, tmp_path):
     context = multiprocessing.get_context("fork")  # the test's imports and tokenizer, without a fresh interpreter
     both_tokenizing, results = context.Barrier(2), context.Queue()
     processes = [context.Process(target=first_run, args=(tokenizer, str(tiny_data), str(tmp_path), both_tokenizing,
@@ -138,9 +136,9 @@ def test_a_default_model_converted_in_an_earlier_format_is_converted_again_and_i
     write_manifest(earlier)
     weights = (earlier / "model.safetensors").read_bytes()
 
-    args = ["--data_path", tiny_data, "--cache_dir", tmp_path / "cache", "--layers", "1;2", "--max_steps", "4",
-            "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size",
-            "2", "--num_sample_answers", "0"]
+    args = training_flags(None, tiny_data, None, "--cache_dir", tmp_path / "cache", "--max_steps", "4",
+                          "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+                          "--per_device_train_batch_size", "2", "--num_sample_answers", "0")
     with monkeypatch.context() as earlier_run:  # a run on the earlier conversion
         earlier_run.setattr(alpaca.model, "embedded_model_dir", lambda cache_dir=None: earlier)
         status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "old"])

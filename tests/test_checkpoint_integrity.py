@@ -12,6 +12,7 @@ from conftest import (
     DDP,
     EACH_RANK_ENDS_ON_ITS_OWN,
     FAULTS,
+    LAYERS,
     REPO,
     SINGLE,
     assert_every_rank_left_on_its_own,
@@ -295,7 +296,7 @@ def test_a_checkpoint_with_a_bf16_learned_source_resumes_in_float32(tiny_model, 
     old = copy_as_killed(run, tmp_path / "old", 4)
     checkpoint = old / "checkpoint-4"
     base, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
-    reft_model = build_reft_model(base, "1;2", (2, 2), False, low_rank_dimension=4)
+    reft_model = build_reft_model(base, LAYERS, (2, 2), False, low_rank_dimension=4)
     names = {id(parameter): name for name, parameter in intervention_parameters(reft_model)}
     order = [names[id(parameter)] for group in optimizer_param_groups(reft_model, 0.0) for parameter in group["params"]]
     states = torch.load(checkpoint / "interventions.pt", weights_only=True)

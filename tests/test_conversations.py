@@ -13,6 +13,7 @@ from conftest import (
     one_thread,
     run_in_process,
     torchrun,
+    training_flags,
     with_chat_template,
 )
 
@@ -27,13 +28,6 @@ CONVERSATION = [
     {"role": "user", "content": "Another one?"},
     {"role": "assistant", "content": "Red, and green."},
 ]
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tiny_chat_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_chat_model)
 
 
 collate = Collator(pad_token_id=0, position=(1, 1), share_weights=False, num_layers=2)
@@ -107,8 +101,8 @@ def test_conversations_train_the_same_model_on_1_and_2_processes_and_are_continu
     batches of 4: train.py and 2 ranks train the same model; generate.py continues a conversation with it."""
     data = write_jsonl(tmp_path / "chat.jsonl", [json.loads(line) for line in
                                                  SAMPLE_CONVERSATIONS.read_text().splitlines()[:9]])
-    flags = ["--model_name_or_path", str(tiny_chat_model), "--data_path", data, "--prompt_template", "chat",
-             *COMMON, "--num_train_epochs", "2", "--per_device_train_batch_size", "2"]
+    flags = training_flags(tiny_chat_model, data, None, "--prompt_template", "chat", *COMMON, "--num_train_epochs",
+                           "2", "--per_device_train_batch_size", "2")
     with one_thread():
         status, _, stderr = run_in_process("train.py", [*flags, "--gradient_accumulation_steps", "2",
                                                         "--output_dir", str(tmp_path / "one")])

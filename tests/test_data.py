@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_model, with_chat_template
+from conftest import build_tiny_model, scripts_tokenizer, with_chat_template
 from torch.utils.data import DataLoader
 
 from alpaca.data import (
@@ -29,7 +29,6 @@ from alpaca.data import (
     tokenize,
 )
 from alpaca.errors import UsageError
-from alpaca.model import load_base_model
 
 pytestmark = pytest.mark.fast  # unit tests, all in `make test-fast`
 
@@ -44,11 +43,6 @@ def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas
     return DataLoader(dataset, batch_sampler=sampler, pin_memory=pin_memory,
                       collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
                       **loader_workers(args.dataloader_num_workers))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))[1]
 
 
 def test_alpaca_templates():
@@ -118,10 +112,10 @@ def test_short_prompts_shrink_windows_without_overlap_and_pad_with_the_noop_colu
 
 def test_pad_token_fallback(tmp_path):
     unk_only = build_tiny_model(tmp_path / "unk", pad_token=False, unk_token=True)
-    tokenizer = load_base_model(str(unk_only), torch.float32, torch.device("cpu"))[1]
+    tokenizer = scripts_tokenizer(unk_only)
     assert tokenizer.pad_token == "<unk>"
     eos_only = build_tiny_model(tmp_path / "eos", pad_token=False, unk_token=False)
-    tokenizer = load_base_model(str(eos_only), torch.float32, torch.device("cpu"))[1]
+    tokenizer = scripts_tokenizer(eos_only)
     assert tokenizer.pad_token == tokenizer.eos_token == "</s>"
 
 
@@ -294,11 +288,6 @@ def test_dataloader_workers_give_the_same_steps_survive_a_stop_signal_and_end_wi
     assert same(in_process, in_workers)
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tiny_chat_model):
-    return load_base_model(str(tiny_chat_model), torch.float32, torch.device("cpu"))[1]
-
-
 def test_chat_template_makes_the_record_a_user_and_an_assistant_turn(chat_tokenizer, tiny_data):
     """Instruction (+ input) is the user turn; the rendered prompt is tokenized as is (the template's BOS only);
     the labels are the output's tokens and EOS, as with the Alpaca prompt; l1 is the prompt's last token."""
@@ -327,7 +316,7 @@ def test_chat_template_makes_the_record_a_user_and_an_assistant_turn(chat_tokeni
 def test_a_chat_template_whose_conversation_does_not_extend_its_prompt_is_refused(tiny_model, tiny_data, tmp_path):
     model = with_chat_template(tiny_model, tmp_path / "model", "{% for message in messages %}{{ message['role'] }}: "
                                "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}AI:{% endif %}")
-    tokenizer = load_base_model(str(model), torch.float32, torch.device("cpu"))[1]
+    tokenizer = scripts_tokenizer(model)
     with pytest.raises(UsageError, match="does not start with its own generation prompt"):
         tokenize(load_records(str(tiny_data)), tokenizer, 512, "chat")
 

@@ -22,6 +22,7 @@ from conftest import (
     relative_deviation,
     run_in_process,
     torchrun,
+    training_flags,
     truth_run,
 )
 
@@ -211,9 +212,8 @@ def test_bad_deepspeed_config(tiny_model, tiny_data, tmp_path, name, text, extra
     if text is not None:
         config.write_text(text)
     output_dir = tmp_path / "out"
-    status, _, stderr = run_in_process("train_multigpu.py", [
-        "--model_name_or_path", tiny_model, "--data_path", tiny_data, "--output_dir", output_dir,
-        "--per_device_train_batch_size", "2", "--layers", "1;2", "--deepspeed", config, *extra])
+    status, _, stderr = run_in_process("train_multigpu.py", training_flags(
+        tiny_model, tiny_data, output_dir, "--per_device_train_batch_size", "2", "--deepspeed", config, *extra))
     assert status == 2, stderr[-3000:]
     assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not output_dir.exists()

@@ -15,14 +15,14 @@ from conftest import (
     copy_as_killed,
     disk_map,
     flags,
+    loss_and_gradients,
     run_in_process,
     torchrun,
+    training_flags,
 )
 
 from alpaca.args import parse_args, resolve_device_defaults
 from alpaca.layers import decoder_layers
-from alpaca.loss import summed_token_loss
-from alpaca.model import intervention_parameters
 from alpaca.strategy import choose_strategy
 
 
@@ -52,9 +52,8 @@ def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tin
     layer 2's weights brought from disk again by accelerate's hook, and the gradients are still the plain ones."""
     import train
 
-    def loss_and_gradients(*placement: str):
-        args = parse_args("train.py", ["--model_name_or_path", str(tiny_model), "--data_path", str(tiny_data),
-                                       "--layers", "1;2", "--position", "f2+l2", *placement])
+    def placed_loss_and_gradients(*placement: str):
+        args = parse_args("train.py", training_flags(tiny_model, tiny_data, None, "--position", "f2+l2", *placement))
         resolve_device_defaults(args, "cpu")
         strategy = choose_strategy(args, torch.device("cpu"), torch.float32, [], distributed=False)
         _, reft_model, dataset, _, _, collate, _ = train.load_data_and_model(args, strategy, torch.float32, (2, 2))
@@ -67,19 +66,24 @@ def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tin
         def devices() -> list[set[str]]:
             return [{parameter.device.type for parameter in layer.parameters()} for layer in layers]
 
+        after_forward = []
+
+        def forward_then_look(*inputs, **kwargs):
+            outputs = train_model(*inputs, **kwargs)
+            after_forward.append(devices())
+            return outputs
+
         before = devices()
         batch = collate([dataset[i] for i in range(4)])
-        loss = summed_token_loss(train_model, batch, torch.device("cpu"))
-        after_forward = devices()
-        loss.backward()
-        assert before == after_forward == devices()
-        return loss, [parameter.grad for _, parameter in intervention_parameters(reft_model)], before, sorted(forwards)
+        loss, gradients = loss_and_gradients(reft_model, batch, forward_then_look)
+        assert [before] == after_forward and before == devices()
+        return loss, gradients, before, sorted(forwards)
 
-    plain_loss, plain_gradients, plain_devices, plain_forwards = loss_and_gradients()
+    plain_loss, plain_gradients, plain_devices, plain_forwards = placed_loss_and_gradients()
     assert plain_devices == [{"cpu"}] * 4 and plain_forwards == [0, 1, 2, 3]
     on_disk = ["--device_map", disk_map(), "--offload_folder", str(tmp_path)]
     for checkpointing, forwards_expected in (([], [0, 1, 2, 3]), (["--gradient_checkpointing"], [0, 1, 2, 2, 3, 3])):
-        loss, gradients, placed, forwards = loss_and_gradients(*on_disk, *checkpointing)
+        loss, gradients, placed, forwards = placed_loss_and_gradients(*on_disk, *checkpointing)
         assert placed == [{"meta"} if index in OFFLOADED else {"cpu"} for index in range(4)]
         assert forwards == forwards_expected, checkpointing
         assert torch.equal(loss, plain_loss)

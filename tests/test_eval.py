@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_reproduces_eval_loss, eval_losses, rounding_tolerances, run_in_process
+from conftest import assert_reproduces_eval_loss, eval_losses, rounding_tolerances, run_in_process, training_flags
 
 from alpaca.data import eval_batches, load_splits
 from alpaca.output import read_metrics
@@ -53,10 +53,9 @@ def test_evaluation_switches_dropout_off(reference, tiny_model, tiny_data, name)
 
 def test_eval_split_ratio_holds_out_part_of_the_training_data(tiny_model, tiny_data, tmp_path):
     """21 examples, ratio 0.25: 6 held out, 15 trained on; evaluated at each epoch's end by default."""
-    status, stdout, stderr = run_in_process("train.py", [
-        "--model_name_or_path", tiny_model, "--data_path", tiny_data, "--output_dir", tmp_path, "--layers", "1;2",
-        "--num_sample_answers", "0", "--per_device_train_batch_size", "4", "--num_train_epochs", "2",
-        "--eval_split_ratio", "0.25"])
+    status, stdout, stderr = run_in_process("train.py", training_flags(
+        tiny_model, tiny_data, tmp_path, "--num_sample_answers", "0", "--per_device_train_batch_size", "4",
+        "--num_train_epochs", "2", "--eval_split_ratio", "0.25"))
     assert status == 0, stderr[-3000:]
     assert "15 examples" in stdout and "eval: 6 examples, epoch" in stdout
     records = eval_records(tmp_path)

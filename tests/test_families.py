@@ -12,6 +12,7 @@ from conftest import (
     eval_losses,
     run_in_process,
     torchrun,
+    training_flags,
     write_records,
 )
 
@@ -62,12 +63,11 @@ def test_each_family_trains_loads_back_and_generates(family, family_model, tmp_p
     interventions, loaded back, give the eval loss the run logged; examples/generate.py answers with them."""
     model_dir, output = family_model(family), tmp_path / "out"
     data = write_records(tmp_path / "data.json", 4)
-    status, stdout, stderr = run_in_process("train.py", [
-        "--model_name_or_path", model_dir, "--data_path", data, "--eval_data_path", data, "--output_dir", output,
-        "--intervention", FAMILIES[family][1], "--layers", "1;2", "--position", "f2+l2", "--rank", "4",
-        "--per_device_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "2e-2", "--logging_steps", "1",
-        "--eval_strategy", "steps", "--eval_steps", "2", "--gradient_checkpointing", "--num_sample_answers", "1",
-        "--max_new_tokens", "4"])
+    status, stdout, stderr = run_in_process("train.py", training_flags(
+        model_dir, data, output, "--eval_data_path", data, "--intervention", FAMILIES[family][1], "--position", "f2+l2",
+        "--rank", "4", "--per_device_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "2e-2",
+        "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "2", "--gradient_checkpointing",
+        "--num_sample_answers", "1", "--max_new_tokens", "4"))
     assert status == 0, stderr[-3000:]
     assert "REFT MODEL" in stdout
     losses = [record["loss"] for record in read_metrics(output) if "loss" in record]
@@ -168,8 +168,7 @@ def test_a_model_without_a_decoder_layer_list_or_with_a_larger_tokenizer_is_refu
                     "that holds both"),
     ]:
         (model_dir / "model.safetensors").unlink()
-        status, _, stderr = run_in_process("train.py", ["--model_name_or_path", model_dir, "--data_path", data,
-                                                        "--output_dir", tmp_path / "out", "--layers", "1;2"])
+        status, _, stderr = run_in_process("train.py", training_flags(model_dir, data, tmp_path / "out"))
         assert status == 2, stderr[-3000:]
         assert stderr.strip().splitlines()[-1].startswith("train.py: error: ") and message in stderr, stderr[-3000:]
         assert "Traceback" not in stderr
@@ -179,9 +178,9 @@ def test_fsdp_trains_a_new_family_as_ddp(family_model, tmp_path):
     """Qwen3, tied embeddings, on 2 ranks: --fsdp (its sharded load, decoder layers as units, sample answers
     from the sharded base) trains the same model as DDP, bit for bit."""
     data = write_records(tmp_path / "data.json", 12)
-    common = ["train_multigpu.py", "--model_name_or_path", family_model("Qwen3"), "--data_path", data, "--layers",
-              "1;2", "--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--max_steps", "3",
-              "--per_device_train_batch_size", "2", "--logging_steps", "1"]
+    common = ["train_multigpu.py", *training_flags(family_model("Qwen3"), data, None, "--position", "f2+l2", "--rank",
+                                                   "4", "--learning_rate", "1e-2", "--max_steps", "3",
+                                                   "--per_device_train_batch_size", "2", "--logging_steps", "1")]
     ddp = torchrun(2, [*common, "--output_dir", tmp_path / "ddp", "--num_sample_answers", "0"])
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     fsdp = torchrun(2, [*common, "--output_dir", tmp_path / "fsdp", "--fsdp", "--num_sample_answers", "1",

@@ -16,6 +16,7 @@ from conftest import (
     rounding_tolerances,
     run_in_process,
     torchrun,
+    training_flags,
 )
 
 from alpaca.checkpoint import checkpoints
@@ -157,9 +158,8 @@ def test_fsdp_and_zero3_need_safetensors(tiny_model, tiny_data, tmp_path, monkey
     for file in tiny_model.iterdir():
         if file.suffix != ".safetensors":
             (model_dir / file.name).write_bytes(file.read_bytes())
-    status, _, stderr = run_in_process("train_multigpu.py", [
-        "--model_name_or_path", model_dir, "--data_path", tiny_data, "--output_dir", tmp_path / "out", *strategy,
-        "--layers", "1;2"])
+    status, _, stderr = run_in_process("train_multigpu.py", training_flags(model_dir, tiny_data, tmp_path / "out",
+                                                                           *strategy))
     assert status == 2, stderr[-3000:]
     assert f"{reader} reads each rank's shards from safetensors files" in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr

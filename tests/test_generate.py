@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, disk_map, run_in_process, run_script
+from conftest import LAYERS, REPO, disk_map, run_in_process, run_script, training_flags
 
 from alpaca.data import render_prompt
 from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
@@ -25,7 +25,7 @@ def untrained(runs, tiny_tied_model, tmp_path_factory):
     shutil.copy(root / "single" / "training_args.json", directory)
     model, _ = load_base_model(str(tiny_tied_model), torch.float32, torch.device("cpu"))
     torch.manual_seed(42)
-    save_interventions(build_reft_model(model, "1;2", (2, 2), False, low_rank_dimension=4), directory)
+    save_interventions(build_reft_model(model, LAYERS, (2, 2), False, low_rank_dimension=4), directory)
     return directory
 
 
@@ -132,10 +132,9 @@ def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny
 
     monkeypatch.setattr(alpaca.generation, "render_prompt", recording_render_prompt)
     output_dir = tmp_path / "chat"
-    status, stdout, stderr = run_in_process("train.py", [
-        "--model_name_or_path", tiny_chat_model, "--data_path", tiny_data, "--output_dir", output_dir,
-        "--prompt_template", "chat", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers", "1",
-        "--max_new_tokens", "4"])
+    status, stdout, stderr = run_in_process("train.py", training_flags(
+        tiny_chat_model, tiny_data, output_dir, "--prompt_template", "chat", "--max_steps", "2",
+        "--num_sample_answers", "1", "--max_new_tokens", "4"))
     assert status == 0, stderr[-3000:]
     assert json.loads((output_dir / "training_args.json").read_text())["prompt_template"] == "chat"
     chat_prompt = f"<s><|im_start|>user\n{SAMPLE_INSTRUCTIONS[0]}</s>\n<|im_start|>assistant\n"

@@ -9,8 +9,10 @@ from conftest import (
     NOISE_MARGIN,
     assert_within_rounding,
     intervention_weights,
+    loss_and_gradients,
     relative_deviation,
     run_in_process,
+    training_flags,
     write_records,
 )
 
@@ -115,11 +117,10 @@ def test_a_bf16_run_at_a_small_learning_rate_changes_every_learned_entry(tiny_mo
     weights = {}
     for learning_rate in ("2e-5", "1e-30"):
         output = tmp_path / learning_rate
-        status, _, stderr = run_in_process("train.py", [
-            "--model_name_or_path", tiny_model, "--data_path", data, "--output_dir", output, "--dtype", "bfloat16",
-            "--intervention", intervention, "--layers", "1;2", "--learning_rate", learning_rate,
-            "--lr_scheduler_type", "constant", "--max_steps", "15", "--per_device_train_batch_size", "4",
-            "--num_sample_answers", "0"])
+        status, _, stderr = run_in_process("train.py", training_flags(
+            tiny_model, data, output, "--dtype", "bfloat16", "--intervention", intervention, "--learning_rate",
+            learning_rate, "--lr_scheduler_type", "constant", "--max_steps", "15", "--per_device_train_batch_size",
+            "4", "--num_sample_answers", "0"))
         assert status == 0, stderr[-3000:]
         weights[learning_rate] = {key: tensor for key, tensor in intervention_weights(output).items()
                                   if tensor.is_floating_point()}
@@ -132,9 +133,9 @@ def test_a_bf16_run_at_a_small_learning_rate_changes_every_learned_entry(tiny_mo
 def test_noreft_trains_end_to_end_and_generate_loads_it(tiny_model, tmp_path):
     """NoReFT needs `add_bias`, which pyreft's own loader cannot know (KeyError: 'add_bias')."""
     output = tmp_path / "out"
-    status, _, stderr = run_in_process("train.py", [
-        "--model_name_or_path", tiny_model, "--data_path", write_records(tmp_path / "data.json", 6), "--output_dir",
-        output, "--intervention", "noreft", "--layers", "1;2", "--max_steps", "2", "--num_sample_answers", "0"])
+    status, _, stderr = run_in_process("train.py", training_flags(
+        tiny_model, write_records(tmp_path / "data.json", 6), output, "--intervention", "noreft", "--max_steps", "2",
+        "--num_sample_answers", "0"))
     assert status == 0, stderr[-3000:]
     status, stdout, stderr = run_in_process("examples/generate.py", ["--reft_dir", output, "--instruction",
                                                                      "Name three primary colors.",
@@ -159,11 +160,6 @@ def test_each_component_is_intervened_on_saved_and_loaded_back(tiny_model, tiny_
     batch = Collator(tokenizer.pad_token_id, POSITION, False, num_layers=2)(
         list(tokenize(load_records(str(tiny_data)), tokenizer, 512))[:5])
 
-    def loss_and_gradients(reft_model):
-        loss = summed_token_loss(reft_model, batch, CPU)
-        parameters = [p for _, p in intervention_parameters(reft_model)]
-        return loss.detach(), torch.autograd.grad(loss, parameters)
-
     def built(component):
         torch.manual_seed(0)
         reft_model = build_reft_model(model, "1;2", POSITION, False, low_rank_dimension=4, component=component)
@@ -171,12 +167,12 @@ def test_each_component_is_intervened_on_saved_and_loaded_back(tiny_model, tiny_
             torch.nn.init.normal_(intervention.learned_source.weight, std=0.3)
         return reft_model
 
-    block_loss, _ = loss_and_gradients(built("block_output"))
+    block_loss, _ = loss_and_gradients(built("block_output"), batch)
     reft_model = built(component)
-    ours_loss, ours = loss_and_gradients(reft_model)
+    ours_loss, ours = loss_and_gradients(reft_model, batch)
     assert not torch.allclose(ours_loss, block_loss)
     del reft_model._scatter_intervention_output  # back to pyvene's method
-    pyvenes_loss, pyvenes = loss_and_gradients(reft_model)
+    pyvenes_loss, pyvenes = loss_and_gradients(reft_model, batch)
     assert torch.equal(ours_loss, pyvenes_loss)
     assert all(torch.equal(actual, expected) for actual, expected in zip(ours, pyvenes))
 

@@ -7,12 +7,14 @@ import torch
 from conftest import (
     COMMON,
     FAULTS,
+    LAYERS,
     assert_same_run,
     copy_as_killed,
     intervention_weights,
     run_in_process,
     threads_left,
     torchrun,
+    training_flags,
 )
 
 from alpaca.data import global_batches, rank_micro_batches
@@ -127,16 +129,15 @@ def test_bf16_output_loads_in_pyreft(tiny_model, tiny_data, tmp_path):
 
     from alpaca.model import build_reft_model, load_base_model
 
-    status, _, stderr = run_in_process("train_multigpu.py", ["--model_name_or_path", tiny_model, "--data_path",
-                                                             tiny_data, *COMMON, "--max_steps", "2", "--dtype",
-                                                             "bfloat16", "--output_dir", tmp_path])
+    status, _, stderr = run_in_process("train_multigpu.py", training_flags(tiny_model, tiny_data, tmp_path, *COMMON,
+                                                                           "--max_steps", "2", "--dtype", "bfloat16"))
     assert status == 0, stderr[-3000:]
     base, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
     reft_model = pyreft.ReftModel.load(str(tmp_path), base)
     saved = intervention_weights(tmp_path)
     fresh, _ = load_base_model(str(tiny_model), torch.bfloat16, torch.device("cpu"))
     torch.manual_seed(42)  # the run's --seed: its initial interventions
-    initial = build_reft_model(fresh, "1;2", (2, 2), False, low_rank_dimension=4).interventions
+    initial = build_reft_model(fresh, LAYERS, (2, 2), False, low_rank_dimension=4).interventions
     for key, intervention in reft_model.interventions.items():
         assert torch.equal(intervention.learned_source.weight, saved[f"intkey_{key}.bin/weight"].bfloat16())
         assert torch.equal(intervention.rotate_layer.weight, saved[f"intkey_{key}.bin/rotate_layer"])

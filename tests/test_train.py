@@ -14,6 +14,7 @@ from conftest import (
     logged_values,
     run_in_process,
     run_script,
+    training_flags,
     truth_run,
 )
 
@@ -25,8 +26,7 @@ FAST = ["--num_sample_answers", "0", "--logging_steps", "1"]
 
 def train(tiny_model, tiny_data, output_dir, *flags):
     """train.py in this process (what is checked is its output, not how it runs)."""
-    status, _, stderr = run_in_process("train.py", ["--model_name_or_path", tiny_model, "--data_path", tiny_data,
-                                                    "--output_dir", output_dir, *FAST, *flags])
+    status, _, stderr = run_in_process("train.py", training_flags(tiny_model, tiny_data, output_dir, *FAST, *flags))
     assert status == 0, stderr[-3000:]
 
 
@@ -56,9 +56,9 @@ def test_the_run_comparison_catches_a_wrong_gradient_scale(tiny_model, tiny_data
     gradient norm tells the runs apart. The shared comparison must fail on it."""
     import alpaca.loss
 
-    args = ["--model_name_or_path", tiny_model, "--data_path", tiny_data, *COMMON, "--max_steps", "4",
-            "--per_device_train_batch_size", "4", "--adam_epsilon", "1e-30", "--max_grad_norm", "0",
-            "--eval_data_path", tiny_eval_data, "--eval_strategy", "steps", "--eval_steps", "2"]
+    args = training_flags(tiny_model, tiny_data, None, *COMMON, "--max_steps", "4", "--per_device_train_batch_size",
+                          "4", "--adam_epsilon", "1e-30", "--max_grad_norm", "0", "--eval_data_path", tiny_eval_data,
+                          "--eval_strategy", "steps", "--eval_steps", "2")
     status, _, stderr = run_in_process("train.py", [*args, "--output_dir", tmp_path / "right"])
     assert status == 0, stderr[-3000:]
     truth_run(tmp_path / "right")  # the comparison's measure, trained before the objective is doubled here
