@@ -71,19 +71,13 @@ def train(args, device, gpus: list[int], started: float) -> None:
         save_checkpoint,
         save_output,
     )
-    from alpaca.data import (
-        DistributedGlobalBatchSampler,
-        StepCollator,
-        eval_batches,
-        give_step_counts,
-        loader_workers,
-        step_counts,
-    )
+    from alpaca.collate import StepCollator, give_step_counts, step_counts
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import check_attention, describe, resolve_dtype
     from alpaca.optim import StepSchedule, build_optimizer
     from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+    from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
     from alpaca.strategy import choose_strategy
 
     stop = StopSignal()
@@ -206,7 +200,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
     import torch
 
     from alpaca.checkpoint import training_fingerprint
-    from alpaca.data import Collator, load_splits, prepare_dataset
+    from alpaca.collate import Collator
+    from alpaca.data import load_splits, prepare_dataset
     from alpaca.model import (
         build_reft_model,
         check_model,

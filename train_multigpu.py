@@ -109,14 +109,7 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
         save_checkpoint,
         save_output,
     )
-    from alpaca.data import (
-        DistributedGlobalBatchSampler,
-        StepCollator,
-        eval_batches,
-        give_step_counts,
-        loader_workers,
-        step_counts,
-    )
+    from alpaca.collate import StepCollator, give_step_counts, step_counts
     from alpaca.distributed import gather_rank_report, main_rank_result, run_checked
     from alpaca.generation import sample_answers
     from alpaca.loss import evaluate
@@ -131,6 +124,7 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
         start_line,
         train_record,
     )
+    from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
     from alpaca.strategy import choose_strategy, local_parameter_bytes
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -313,7 +307,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     import torch.distributed as dist
 
     from alpaca.checkpoint import training_fingerprint
-    from alpaca.data import Collator, load_splits, prepare_dataset
+    from alpaca.collate import Collator
+    from alpaca.data import load_splits, prepare_dataset
     from alpaca.distributed import first_on_local_main, run_checked
     from alpaca.model import (
         build_reft_model,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from transformers import get_scheduler
 
-from alpaca.data import steps_per_epoch
 from alpaca.model import optimizer_param_groups
+from alpaca.sampler import steps_per_epoch
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,9 @@ def run_settings(directory: str) -> dict:
 
 def read_conversations(path: str) -> list[list[dict]]:
     """The messages of each record of a .json/.jsonl file of conversations, each ending with the user's turn."""
-    from alpaca.data import _read_local_records, check_conversations  # after parsing, as in generate()
+    from alpaca.data import check_conversations, read_local_records  # after parsing, as in generate()
 
-    records = _read_local_records(path, "--conversations_file")
+    records = read_local_records(path, "--conversations_file")
     check_conversations(records, f"--conversations_file {path!r}", last_role="user")
     return [record["messages"] for record in records]
 

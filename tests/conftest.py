@@ -270,7 +270,8 @@ def reloaded_eval_loss(run_dir, model_dir, records, dtype: torch.dtype = torch.f
     import torch.nn.functional as F
 
     from alpaca.args import parse_position
-    from alpaca.data import format_prompt, intervention_locations
+    from alpaca.collate import intervention_locations
+    from alpaca.data import format_prompt
     from alpaca.model import load_base_model, num_intervened_layers
     from alpaca.output import load_reft_model
     from alpaca.workarounds import set_train_mode

@@ -15,7 +15,8 @@ from conftest import (
 )
 
 from alpaca.args import INTERVENTIONS, parse_args
-from alpaca.data import Collator, load_records, tokenize
+from alpaca.collate import Collator
+from alpaca.data import load_records, tokenize
 from alpaca.loss import summed_token_loss
 from alpaca.model import (
     build_reft_model,

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import FLOAT64_ATOL, FLOAT64_RTOL, assert_within_rounding
 
-from alpaca.data import Collator, intervention_locations, load_records, tokenize
+from alpaca.collate import Collator, intervention_locations
+from alpaca.data import load_records, tokenize
 from alpaca.loss import summed_token_loss, token_losses, token_weighted_loss
 from alpaca.model import build_reft_model, intervention_parameters, load_base_model, set_attention
 

@@ -15,8 +15,8 @@ from conftest import (
     torchrun,
 )
 
-from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
+from alpaca.sampler import global_batches, rank_micro_batches
 
 
 @pytest.mark.fast
