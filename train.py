@@ -60,23 +60,15 @@ def train(args, device, gpus: list[int], started: float) -> None:
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
-    from alpaca.checkpoint import (
-        StopSignal,
-        TrainerState,
-        geometry,
-        load_checkpoint,
-        prepare_output_dir,
-        restore_training_state,
-        rng_state,
-        save_checkpoint,
-        save_output,
-    )
+    from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
     from alpaca.collate import StepCollator, give_step_counts, step_counts
     from alpaca.generation import sample_answers
+    from alpaca.launch import StopSignal
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
     from alpaca.model import check_attention, describe, resolve_dtype
     from alpaca.optim import StepSchedule, build_optimizer
     from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+    from alpaca.resume import geometry, restore_training_state, rng_state
     from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
     from alpaca.strategy import choose_strategy
 
@@ -199,7 +191,6 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
     """The data and the ReFT model; what can be checked is checked before the model's weights are loaded."""
     import torch
 
-    from alpaca.checkpoint import training_fingerprint
     from alpaca.collate import Collator
     from alpaca.data import load_splits, prepare_dataset
     from alpaca.model import (
@@ -210,6 +201,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
         num_intervened_layers,
         set_attention,
     )
+    from alpaca.resume import training_fingerprint
 
     records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
                                         args.max_n_train_example, args.seed, args.field_map)

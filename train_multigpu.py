@@ -98,20 +98,11 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
     from tqdm.auto import tqdm
 
     from alpaca.args import parse_position, resolve_device_defaults
-    from alpaca.checkpoint import (
-        StopSignal,
-        TrainerState,
-        geometry,
-        load_checkpoint,
-        prepare_output_dir,
-        restore_training_state,
-        rng_state,
-        save_checkpoint,
-        save_output,
-    )
+    from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
     from alpaca.collate import StepCollator, give_step_counts, step_counts
     from alpaca.distributed import gather_rank_report, main_rank_result, run_checked
     from alpaca.generation import sample_answers
+    from alpaca.launch import StopSignal
     from alpaca.loss import evaluate
     from alpaca.model import check_attention, describe, resolve_dtype
     from alpaca.optim import StepSchedule, build_optimizer
@@ -124,6 +115,7 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
         start_line,
         train_record,
     )
+    from alpaca.resume import geometry, restore_training_state, rng_state
     from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
     from alpaca.strategy import choose_strategy, local_parameter_bytes
 
@@ -306,7 +298,6 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     import torch
     import torch.distributed as dist
 
-    from alpaca.checkpoint import training_fingerprint
     from alpaca.collate import Collator
     from alpaca.data import load_splits, prepare_dataset
     from alpaca.distributed import first_on_local_main, run_checked
@@ -318,6 +309,7 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
         num_intervened_layers,
         set_attention,
     )
+    from alpaca.resume import training_fingerprint
 
     rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
     records, eval_records = run_checked(

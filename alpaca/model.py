@@ -69,7 +69,7 @@ def convert_embedded_model(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-# What a base model is, for the fingerprint a checkpoint keeps of it (alpaca.checkpoint.training_fingerprint).
+# What a base model is, for the fingerprint a checkpoint keeps of it (alpaca.resume.training_fingerprint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")

@@ -146,7 +146,7 @@ def loader_workers(num_workers: int) -> dict[str, Any]:
 def dataloader_worker_init(worker_id: int) -> None:
     """DataLoader workers ignore SIGTERM and SIGINT. A cluster or a terminal signals every process of the
     job, workers included; a worker dying of it would fail the step that waits for its batch before
-    the main process, which handles the signal (checkpoint.StopSignal), could checkpoint. The main
+    the main process, which handles the signal (alpaca.launch.StopSignal), could checkpoint. The main
     process ends its workers itself, and a worker whose parent is gone exits on its own."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
