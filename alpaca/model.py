@@ -387,18 +387,3 @@ def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:
             seen.add(id(parameter))
             named.append((name, parameter))
     return named
-
-
-def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
-    """AdamW groups. The rotation of LoReFT, DiReFT, LobiReFT and ConsReFT is torch's orthogonal
-    parametrization (Householder map), whose underlying parameter keeps +-1 signs on its diagonal, read
-    with `.int()`: one step of decoupled weight decay turns 1.0 into 0.99..., which truncates to 0 and
-    zeroes the rotation (the loss goes flat). So no parametrized parameter gets weight decay; nor do
-    biases, as usual."""
-    decay, no_decay = [], []
-    for name, parameter in intervention_parameters(reft_model):
-        (no_decay if ".parametrizations." in name or name.endswith("bias") else decay).append(parameter)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]

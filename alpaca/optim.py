@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import get_scheduler
 
-from alpaca.model import optimizer_param_groups
+from alpaca.model import intervention_parameters
 from alpaca.sampler import steps_per_epoch
 
 
@@ -57,6 +57,21 @@ class StepSchedule:
         if step == self.total_steps or save_strategy == "no":
             return False
         return end_of_epoch if save_strategy == "epoch" else step % self.save_interval == 0
+
+
+def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
+    """AdamW groups. The rotation of LoReFT, DiReFT, LobiReFT and ConsReFT is torch's orthogonal
+    parametrization (Householder map), whose underlying parameter keeps +-1 signs on its diagonal, read
+    with `.int()`: one step of decoupled weight decay turns 1.0 into 0.99..., which truncates to 0 and
+    zeroes the rotation (the loss goes flat). So no parametrized parameter gets weight decay; nor do
+    biases, as usual."""
+    decay, no_decay = [], []
+    for name, parameter in intervention_parameters(reft_model):
+        (no_decay if ".parametrizations." in name or name.endswith("bias") else decay).append(parameter)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(reft_model, args: argparse.Namespace, schedule: StepSchedule):
