@@ -59,9 +59,10 @@ def train(args, device, gpus: list[int], started: float) -> None:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from alpaca.args import parse_position, resolve_device_defaults
+    from alpaca.args import resolve_device_defaults
     from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
     from alpaca.collate import StepCollator, give_step_counts, step_counts
+    from alpaca.flag_values import parse_position
     from alpaca.generation import sample_answers
     from alpaca.launch import StopSignal
     from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss

@@ -18,8 +18,9 @@ import socket
 import sys
 import time
 
-from alpaca.args import exit_on_usage_error, parse_args, wait_for_launcher
+from alpaca.args import exit_on_usage_error, parse_args
 from alpaca.errors import UsageError
+from alpaca.launch import wait_for_launcher
 
 PROG = "train_multigpu.py"
 
@@ -97,10 +98,11 @@ def train(args, device, gpus: list[int], backend: str, started: float) -> None:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from alpaca.args import parse_position, resolve_device_defaults
+    from alpaca.args import resolve_device_defaults
     from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
     from alpaca.collate import StepCollator, give_step_counts, step_counts
     from alpaca.distributed import gather_rank_report, main_rank_result, run_checked
+    from alpaca.flag_values import parse_position
     from alpaca.generation import sample_answers
     from alpaca.launch import StopSignal
     from alpaca.loss import evaluate

@@ -12,9 +12,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from alpaca.args import CONVERSATION_FIELD, RECORD_FIELDS, cache_root
+from alpaca.constants import CONVERSATION_FIELD, RECORD_FIELDS
 from alpaca.errors import UsageError
-from alpaca.manifest import cached_directory
+from alpaca.manifest import cache_root, cached_directory
 
 # The Stanford Alpaca templates, verbatim.
 PROMPT_WITH_INPUT = (

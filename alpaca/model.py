@@ -14,10 +14,11 @@ from torch.distributed._composable import checkpoint
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import cached_file, is_flash_attn_2_available, is_flash_attn_3_available
 
-from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, VARLEN_ATTENTION, cache_root, parse_layers
+from alpaca.constants import EMBEDDED_MODEL, INTERVENTIONS, VARLEN_ATTENTION
 from alpaca.errors import UsageError
+from alpaca.flag_values import parse_layers
 from alpaca.layers import decoder_layers, offloaded
-from alpaca.manifest import cached_directory, sha256
+from alpaca.manifest import cache_root, cached_directory, sha256
 from alpaca.sharding import empty_base_model
 from alpaca.workarounds import (
     causal_attention_without_mask_checks,

@@ -10,10 +10,10 @@ import random
 import numpy as np
 import torch
 
-from alpaca.args import parse_layers, parse_position
 from alpaca.checkpoint import load_intervention_states
 from alpaca.data import records_fingerprint
 from alpaca.errors import UsageError
+from alpaca.flag_values import parse_layers, parse_position
 from alpaca.model import model_fingerprint
 from alpaca.optim import StepSchedule
 

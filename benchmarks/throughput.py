@@ -161,9 +161,10 @@ def run_variant(args: argparse.Namespace) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from alpaca.args import parse_layers, resolve_device_defaults
+    from alpaca.args import resolve_device_defaults
     from alpaca.collate import Collator, StepCollator
     from alpaca.data import load_records, prepare_dataset
+    from alpaca.flag_values import parse_layers
     from alpaca.loss import summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,

@@ -27,12 +27,12 @@ from alpaca.args import (  # noqa: E402
     add_device_map_flags,
     add_quantization_flags,
     exit_on_usage_error,
-    parse_position,
     quantization_settings,
     validate_device_map,
     validate_quantization,
 )
 from alpaca.errors import UsageError  # noqa: E402
+from alpaca.flag_values import parse_position  # noqa: E402
 
 PROG = "generate.py"
 

@@ -14,8 +14,9 @@ from conftest import (
     write_records,
 )
 
-from alpaca.args import INTERVENTIONS, parse_args
+from alpaca.args import parse_args
 from alpaca.collate import Collator
+from alpaca.constants import INTERVENTIONS
 from alpaca.data import load_records, tokenize
 from alpaca.loss import summed_token_loss
 from alpaca.model import build_reft_model, intervention_parameters, load_base_model

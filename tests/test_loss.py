@@ -245,7 +245,7 @@ def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, m
     import transformers.masking_utils
     from torch.nn.attention import varlen
 
-    from alpaca.args import VARLEN_ATTENTION
+    from alpaca.constants import VARLEN_ATTENTION
 
     calls = []
 
@@ -282,7 +282,7 @@ def test_varlen_attention_refuses_sliding_windows(model_type, config, sliding):
     """sdpa_varlen runs full causal attention: a model with a sliding-window layer is refused in one line."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from alpaca.args import VARLEN_ATTENTION
+    from alpaca.constants import VARLEN_ATTENTION
     from alpaca.errors import UsageError
 
     with torch.device("meta"):
