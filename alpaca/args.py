@@ -307,6 +307,7 @@ def validate(args: argparse.Namespace) -> None:
     check_data_path("--data_path", args.data_path)
     validate_eval(args)
 
+
 def validate_packing(args: argparse.Namespace) -> None:
     """--packing_max_tokens: None without --packing, else a budget every (truncated) example fits in."""
     if not args.packing:
@@ -323,6 +324,7 @@ def validate_packing(args: argparse.Namespace) -> None:
         # DeepSpeed steps the optimizer after a fixed number of micro-batches; a share's packs vary in number.
         raise UsageError("--packing and --deepspeed do not combine (DeepSpeed steps after a fixed number of "
                          "micro-batches, packs vary in number); drop one, or use --fsdp to shard the base")
+
 
 def validate_device_map(args: argparse.Namespace) -> None:
     """What --device_map, --max_memory and --offload_folder need of each other and of the other flags; the map

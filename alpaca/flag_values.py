@@ -16,6 +16,7 @@ _SIZE = re.compile(r"^\d+(?:\.\d+)?\s*[KMGT]i?B$")  # what accelerate's convert_
 
 _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
 
+
 def parse_field_map(value: str) -> dict[str, str]:
     """'question=instruction,answer=output' -> {'question': 'instruction', 'answer': 'output'}."""
     mapping = {}

@@ -17,6 +17,7 @@ def is_main_process() -> bool:
     """Rank 0, or not distributed. Every rank parses and validates; rank 0 reports a mistake."""
     return os.environ.get("RANK", "0") == "0"
 
+
 def follow_accelerate_launch(args: argparse.Namespace) -> None:
     """`accelerate launch --use_deepspeed` and `--use_fsdp` tell the script through its environment (accelerate 1.x:
     ACCELERATE_USE_DEEPSPEED and ACCELERATE_DEEPSPEED_CONFIG_FILE; ACCELERATE_USE_FSDP and FSDP_OFFLOAD_PARAMS),
@@ -80,6 +81,7 @@ def follow_accelerate_precision_and_dynamo(args: argparse.Namespace) -> None:
     elif backend != "no":
         raise UsageError(f"{setting}: --torch_compile compiles with inductor only; launch with --dynamo_backend "
                          "inductor, or no")
+
 
 LAUNCHER_WAIT_S = 30
 
