@@ -141,7 +141,7 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--position", default="f1+l1",
          help="prompt positions: f<n> (first n), l<n> (last n; l1 = last prompt token) or f<n>+l<n>")
     flag("--share_weights", type=str2bool, nargs="?", const=True, default=False,
-         help="with f+l, one intervention per layer serves both windows (else one per window)")
+         help="with f+l, one intervention per layer serves the first and the last positions (else one each)")
     flag("--rank", type=int, default=4, help="low-rank dimension r of each intervention")
     flag("--dropout", type=float, default=0.0, help="dropout on the intervention output")
     flag("--intervention", default="loreft", choices=list(INTERVENTIONS),
