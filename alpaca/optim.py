@@ -1,5 +1,5 @@
-"""Optimizer, learning-rate schedule and the step schedule (how many steps; when to log, evaluate, save) shared
-by both scripts."""
+"""Optimizer (AdamW and its parameter groups), learning-rate schedule and the step schedule (how many steps; when
+to log, evaluate, save) shared by both scripts."""
 
 from __future__ import annotations
 
