@@ -30,32 +30,14 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from alpaca.args import parse_position, resolve_device_defaults
-from alpaca.checkpoint import (
-    StopSignal,
-    TrainerState,
-    geometry,
-    load_checkpoint,
-    prepare_output_dir,
-    restore_training_state,
-    rng_state,
-    save_checkpoint,
-    save_output,
-    training_fingerprint,
-)
-from alpaca.data import (
-    Collator,
-    DistributedGlobalBatchSampler,
-    StepCollator,
-    eval_batches,
-    give_step_counts,
-    load_splits,
-    loader_workers,
-    prepare_dataset,
-    step_counts,
-)
+from alpaca.args import resolve_device_defaults
+from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
+from alpaca.collate import Collator, StepCollator, give_step_counts, step_counts
+from alpaca.data import load_splits, prepare_dataset
 from alpaca.errors import UsageError
+from alpaca.flag_values import parse_position
 from alpaca.generation import sample_answers
+from alpaca.launch import StopSignal
 from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
 from alpaca.model import (
     build_reft_model,
@@ -70,6 +52,8 @@ from alpaca.model import (
 )
 from alpaca.optim import StepSchedule, build_optimizer
 from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+from alpaca.resume import geometry, restore_training_state, rng_state, training_fingerprint
+from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
 from alpaca.strategy import choose_strategy
 
 

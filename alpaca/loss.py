@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alpaca.data import IGNORE_INDEX, PACK_KEYS, give_step_counts, step_counts
+from alpaca.collate import IGNORE_INDEX, PACK_KEYS, give_step_counts, step_counts
 from alpaca.workarounds import set_train_mode
 
 
@@ -42,7 +42,8 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
     # pyvene turns each intervention's locations into an index tensor on the model's device in each hook,
     # with torch.tensor(): from Python lists that is a blocking host-to-device copy per hook; from a tensor
     # already there, a copy on the device. So they go there once per micro-batch, asynchronously.
-    locations = [torch.as_tensor(window).to(device, non_blocking=True) for window in batch["intervention_locations"]]
+    locations = [torch.as_tensor(positions).to(device, non_blocking=True)
+                 for positions in batch["intervention_locations"]]
     _, outputs = reft_model(inputs, unit_locations={"sources->base": (None, locations)})
     # Position t predicts label t + 1; the first kept logits' columns may precede the first predicting one.
     logits = outputs.logits[:, batch["first_label_position"] - 1 - first_kept : -1]

@@ -1,5 +1,6 @@
 """Directories closed with a manifest of every file's size and SHA-256, and checked against it when read:
-checkpoints, the tokenized-data cache and the converted embedded model. Standard library only."""
+checkpoints, the tokenized-data cache and the converted embedded model (the caches under `cache_root`). Standard
+library only."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NOT_A_MANIFEST = f"damaged ({MANIFEST} is not a manifest of this format)"
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Where the converted default model and tokenized datasets live (--cache_dir overrides)."""
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reft-alpaca"
 
 
 def sha256(path: Path) -> str:

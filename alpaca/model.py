@@ -14,10 +14,11 @@ from torch.distributed._composable import checkpoint
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import cached_file, is_flash_attn_2_available, is_flash_attn_3_available
 
-from alpaca.args import EMBEDDED_MODEL, INTERVENTIONS, VARLEN_ATTENTION, cache_root, parse_layers
+from alpaca.constants import EMBEDDED_MODEL, INTERVENTIONS, VARLEN_ATTENTION
 from alpaca.errors import UsageError
+from alpaca.flag_values import parse_layers
 from alpaca.layers import decoder_layers, offloaded
-from alpaca.manifest import cached_directory, sha256
+from alpaca.manifest import cache_root, cached_directory, sha256
 from alpaca.sharding import empty_base_model
 from alpaca.workarounds import (
     causal_attention_without_mask_checks,
@@ -69,19 +70,19 @@ def convert_embedded_model(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-# What a base model is, for the fingerprint a checkpoint keeps of it (alpaca.checkpoint.training_fingerprint).
+# What a base model is, for the fingerprint a checkpoint keeps of it (alpaca.resume.training_fingerprint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SAMPLE_BYTES = 256  # read at a tensor's start, middle and end
-FILE_SAMPLES = 64  # windows of SAMPLE_BYTES over a weight file whose tensors cannot be located (.bin)
+FILE_SAMPLES = 64  # samples of SAMPLE_BYTES over a weight file whose tensors cannot be located (.bin)
 
 
 def model_fingerprint(model_name_or_path: str, cache_dir: str | None = None) -> dict[str, str]:
     """SHA-256s of the base model's config.json (parsed, without the transformers version that wrote it), its
     tokenizer files, and its weights. The weights cheaply even for a 70B model (a few MB read): each safetensors
     file's header (every tensor's name, dtype, shape and offsets) and SAMPLE_BYTES at the start, middle and end
-    of every tensor; a .bin file by its size and FILE_SAMPLES windows. From the local directory, or a hub
+    of every tensor; a .bin file by its size and FILE_SAMPLES samples. From the local directory, or a hub
     model's cached snapshot."""
     directory = Path(cached_file(model_name_or_path, "config.json", cache_dir=cache_dir)).parent
     config = json.loads((directory / "config.json").read_text())
@@ -116,7 +117,7 @@ def config_hash(config: dict) -> str:
 
 
 def sample_spans(start: int, end: int, count: int) -> list[tuple[int, int]]:
-    """(offset, length) of `count` windows of SAMPLE_BYTES spread evenly over [start, end), the first at start
+    """(offset, length) of `count` samples of SAMPLE_BYTES spread evenly over [start, end), the first at start
     and the last ending at end; a span too short for them is read whole."""
     if end - start <= count * SAMPLE_BYTES:
         return [(start, end - start)]
@@ -224,7 +225,8 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
 
 def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, low_rank_dimension: int,
                      dropout: float = 0.0, intervention: str = "loreft", component: str = "block_output"):
-    """pyreft model with one intervention per (layer, window) on `component` (a name of COMPONENTS).
+    """pyreft model with one intervention per layer, or with f<n>+l<n> per (layer, first or last positions), on
+    `component` (a name of COMPONENTS).
 
     Seed torch before calling: the interventions' initial weights come from the global RNG.
     """
@@ -235,7 +237,7 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
         raise UsageError(f"--rank {low_rank_dimension} must be smaller than the model's hidden size {hidden_size}")
     first_n, last_n = position
     if first_n and last_n and not share_weights:
-        layer_ids = layer_ids + layer_ids  # first half: first-window interventions, second half: last-window
+        layer_ids = layer_ids + layer_ids  # first half: on the first positions, second half: on the last
     intervention_class = import_intervention(INTERVENTIONS[intervention])
     representations = [
         {
@@ -387,18 +389,3 @@ def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:
             seen.add(id(parameter))
             named.append((name, parameter))
     return named
-
-
-def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
-    """AdamW groups. The rotation of LoReFT, DiReFT, LobiReFT and ConsReFT is torch's orthogonal
-    parametrization (Householder map), whose underlying parameter keeps +-1 signs on its diagonal, read
-    with `.int()`: one step of decoupled weight decay turns 1.0 into 0.99..., which truncates to 0 and
-    zeroes the rotation (the loss goes flat). So no parametrized parameter gets weight decay; nor do
-    biases, as usual."""
-    decay, no_decay = [], []
-    for name, parameter in intervention_parameters(reft_model):
-        (no_decay if ".parametrizations." in name or name.endswith("bias") else decay).append(parameter)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]

@@ -1,5 +1,5 @@
-"""Optimizer, learning-rate schedule and the step schedule (how many steps; when to log, evaluate, save) shared
-by both scripts."""
+"""Optimizer (AdamW and its parameter groups), learning-rate schedule and the step schedule (how many steps; when
+to log, evaluate, save) shared by both scripts."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from transformers import get_scheduler
 
-from alpaca.data import steps_per_epoch
-from alpaca.model import optimizer_param_groups
+from alpaca.model import intervention_parameters
+from alpaca.sampler import steps_per_epoch
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,21 @@ class StepSchedule:
         if step == self.total_steps or save_strategy == "no":
             return False
         return end_of_epoch if save_strategy == "epoch" else step % self.save_interval == 0
+
+
+def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
+    """AdamW groups. The rotation of LoReFT, DiReFT, LobiReFT and ConsReFT is torch's orthogonal
+    parametrization (Householder map), whose underlying parameter keeps +-1 signs on its diagonal, read
+    with `.int()`: one step of decoupled weight decay turns 1.0 into 0.99..., which truncates to 0 and
+    zeroes the rotation (the loss goes flat). So no parametrized parameter gets weight decay; nor do
+    biases, as usual."""
+    decay, no_decay = [], []
+    for name, parameter in intervention_parameters(reft_model):
+        (no_decay if ".parametrizations." in name or name.endswith("bias") else decay).append(parameter)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(reft_model, args: argparse.Namespace, schedule: StepSchedule):

@@ -21,7 +21,7 @@ import datasets
 import torch
 import transformers
 
-from alpaca.args import INTERVENTIONS
+from alpaca.constants import INTERVENTIONS
 from alpaca.errors import UsageError
 from alpaca.model import import_intervention, new_intervention
 from alpaca.workarounds import (

@@ -21,7 +21,7 @@ from torch.nn.attention import varlen
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from alpaca.args import COMPONENTS, VARLEN_ATTENTION
+from alpaca.constants import COMPONENTS, VARLEN_ATTENTION
 from alpaca.layers import decoder_layer_list
 
 # pyvene prints, as it is imported, that nnsight (an optional backend these scripts do not use) is not detected:

@@ -72,11 +72,13 @@ def eval_loss(model, eval_records: Path, run_dir: Path | None, tokenizer, args: 
     import numpy as np
     import torch
 
-    from alpaca.args import parse_position
-    from alpaca.data import Collator, eval_batches, load_records, prepare_dataset
+    from alpaca.collate import Collator
+    from alpaca.data import load_records, prepare_dataset
+    from alpaca.flag_values import parse_position
     from alpaca.loss import evaluate
     from alpaca.model import num_intervened_layers
     from alpaca.output import load_reft_model
+    from alpaca.sampler import eval_batches
 
     position = parse_position("f1+l1")
     dataset = prepare_dataset(load_records(str(eval_records)), tokenizer, args.model_max_length)

@@ -161,16 +161,10 @@ def run_variant(args: argparse.Namespace) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from alpaca.args import parse_layers, resolve_device_defaults
-    from alpaca.data import (
-        Collator,
-        DistributedGlobalBatchSampler,
-        StepCollator,
-        global_batches,
-        load_records,
-        loader_workers,
-        prepare_dataset,
-    )
+    from alpaca.args import resolve_device_defaults
+    from alpaca.collate import Collator, StepCollator
+    from alpaca.data import load_records, prepare_dataset
+    from alpaca.flag_values import parse_layers
     from alpaca.loss import summed_token_loss, token_weighted_loss
     from alpaca.model import (
         build_reft_model,
@@ -179,6 +173,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         intervention_parameters,
         set_attention,
     )
+    from alpaca.sampler import DistributedGlobalBatchSampler, global_batches, loader_workers
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -27,12 +27,12 @@ from alpaca.args import (  # noqa: E402
     add_device_map_flags,
     add_quantization_flags,
     exit_on_usage_error,
-    parse_position,
     quantization_settings,
     validate_device_map,
     validate_quantization,
 )
 from alpaca.errors import UsageError  # noqa: E402
+from alpaca.flag_values import parse_position  # noqa: E402
 
 PROG = "generate.py"
 
@@ -65,9 +65,9 @@ def run_settings(directory: str) -> dict:
 
 def read_conversations(path: str) -> list[list[dict]]:
     """The messages of each record of a .json/.jsonl file of conversations, each ending with the user's turn."""
-    from alpaca.data import _read_local_records, check_conversations  # after parsing, as in generate()
+    from alpaca.data import check_conversations, read_local_records  # after parsing, as in generate()
 
-    records = _read_local_records(path, "--conversations_file")
+    records = read_local_records(path, "--conversations_file")
     check_conversations(records, f"--conversations_file {path!r}", last_role="user")
     return [record["messages"] for record in records]
 

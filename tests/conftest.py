@@ -308,8 +308,9 @@ def reloaded_eval_loss(run_dir, model_dir, records, dtype: torch.dtype = torch.f
     loader) and put in eval mode, one example at a time without padding; on the base in `dtype`."""
     import torch.nn.functional as F
 
-    from alpaca.args import parse_position
-    from alpaca.data import format_prompt, intervention_locations
+    from alpaca.collate import intervention_locations
+    from alpaca.data import format_prompt
+    from alpaca.flag_values import parse_position
     from alpaca.model import load_base_model, num_intervened_layers
     from alpaca.output import load_reft_model
     from alpaca.workarounds import set_train_mode

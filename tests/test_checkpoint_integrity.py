@@ -288,7 +288,8 @@ def test_a_checkpoint_with_a_bf16_learned_source_resumes_in_float32(tiny_model, 
     copies them into the float32 parameters and state, and the run ends near the one that was float32
     throughout: one rounding to bf16 at step 4 apart (0.1-0.3 % of each tensor, measured), against the 5-20 %
     that steps 5-9 move each."""
-    from alpaca.model import build_reft_model, intervention_parameters, load_base_model, optimizer_param_groups
+    from alpaca.model import build_reft_model, intervention_parameters, load_base_model
+    from alpaca.optim import optimizer_param_groups
 
     run = tmp_path / "run"
     status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, run, *SINGLE, "--dtype", "bfloat16"))

@@ -17,7 +17,8 @@ from conftest import (
     with_chat_template,
 )
 
-from alpaca.data import IGNORE_INDEX, Collator, chat_prompt, load_records, tokenize
+from alpaca.collate import IGNORE_INDEX, Collator
+from alpaca.data import chat_prompt, load_records, tokenize
 from alpaca.errors import UsageError
 
 SAMPLE_CONVERSATIONS = REPO / "examples" / "data" / "conversations_sample.jsonl"

@@ -9,26 +9,18 @@ import torch
 from conftest import build_tiny_model, scripts_tokenizer, with_chat_template
 from torch.utils.data import DataLoader
 
+from alpaca.collate import IGNORE_INDEX, Collator, StepCollator, first_and_last_positions, intervention_locations, packs
 from alpaca.data import (
-    IGNORE_INDEX,
-    Collator,
-    DistributedGlobalBatchSampler,
-    StepCollator,
     _dataset_fingerprint,
     format_prompt,
-    global_batches,
-    intervention_locations,
     load_records,
     load_splits,
-    loader_workers,
-    packs,
     prepare_dataset,
-    prompt_windows,
-    rank_micro_batches,
     render_prompt,
     tokenize,
 )
 from alpaca.errors import UsageError
+from alpaca.sampler import DistributedGlobalBatchSampler, global_batches, loader_workers, rank_micro_batches
 
 pytestmark = pytest.mark.fast  # unit tests, all in `make test-fast`
 
@@ -92,9 +84,9 @@ def test_max_n_train_example_is_a_seeded_subset(tiny_data):
 
 
 def test_positions_first_last_and_both():
-    assert prompt_windows(10, 1, 0) == ([0], [])
-    assert prompt_windows(10, 0, 1) == ([], [9])  # l1 is the last prompt token
-    assert prompt_windows(10, 2, 3) == ([0, 1], [7, 8, 9])
+    assert first_and_last_positions(10, 1, 0) == ([0], [])
+    assert first_and_last_positions(10, 0, 1) == ([], [9])  # l1 is the last prompt token
+    assert first_and_last_positions(10, 2, 3) == ([0, 1], [7, 8, 9])
     # f+l without sharing: first half of the interventions on the first window, second half on the last.
     assert intervention_locations([10], (2, 3), False, 2, pad_position=99) == [
         [[0, 1]], [[0, 1]], [[7, 8, 9]], [[7, 8, 9]]]
@@ -103,9 +95,9 @@ def test_positions_first_last_and_both():
 
 
 def test_short_prompts_shrink_windows_without_overlap_and_pad_with_the_noop_column():
-    assert prompt_windows(3, 2, 2) == ([0], [1, 2])
-    assert prompt_windows(1, 1, 1) == ([], [0])
-    assert prompt_windows(2, 5, 0) == ([0, 1], [])
+    assert first_and_last_positions(3, 2, 2) == ([0], [1, 2])
+    assert first_and_last_positions(1, 1, 1) == ([], [0])
+    assert first_and_last_positions(2, 5, 0) == ([0, 1], [])
     locations = intervention_locations([3, 10], (2, 2), False, 1, pad_position=11)
     assert locations == [[[0, 11], [0, 1]], [[1, 2], [8, 9]]]
 
@@ -304,7 +296,7 @@ def test_chat_template_makes_the_record_a_user_and_an_assistant_turn(chat_tokeni
         output_ids = tokenizer(record["output"], add_special_tokens=False)["input_ids"]
         assert example["prompt_length"] == len(prompt_ids)
         assert example["input_ids"] == prompt_ids + output_ids + [tokenizer.eos_token_id]
-        _, last = prompt_windows(example["prompt_length"], 2, 2)
+        _, last = first_and_last_positions(example["prompt_length"], 2, 2)
         assert example["input_ids"][last[-1]] == prompt_ids[-1]
     batch = Collator(tokenizer.pad_token_id, (2, 2), False, 4)([dataset[0], dataset[1]])
     for row, example in enumerate([dataset[0], dataset[1]]):

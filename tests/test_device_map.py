@@ -120,7 +120,7 @@ def test_a_checkpoint_keeps_the_random_state_of_every_gpu_of_the_process(monkeyp
     """A device map runs interventions, and their dropout, on each GPU of the process: a checkpoint keeps every
     one's generator (the first under "cuda", as before device maps), and a resume puts each back on its GPU.
     (CUDA's generators faked: no GPU here.)"""
-    from alpaca.checkpoint import restore_rng_state, rng_state
+    from alpaca.resume import restore_rng_state, rng_state
 
     generators = {2: torch.tensor([2], dtype=torch.uint8), 3: torch.tensor([3], dtype=torch.uint8)}
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda gpu: generators[gpu].clone())

@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import assert_reproduces_eval_loss, eval_losses, rounding_tolerances, run_in_process, training_flags
 
-from alpaca.data import eval_batches, load_splits
+from alpaca.data import load_splits
 from alpaca.output import read_metrics
+from alpaca.sampler import eval_batches
 
 
 def eval_records(directory) -> list[dict]:

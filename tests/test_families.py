@@ -140,7 +140,7 @@ def test_the_layout_registered_has_every_component(model_type):
     import pyvene
     from pyvene.models.modeling_utils import get_dimension_by_component
 
-    from alpaca.args import COMPONENTS
+    from alpaca.constants import COMPONENTS
 
     model = meta_model(model_type)
     register_layout(model)

@@ -16,15 +16,13 @@ from conftest import (
     write_records,
 )
 
-from alpaca.args import INTERVENTIONS, parse_args
-from alpaca.data import Collator, load_records, tokenize
+from alpaca.args import parse_args
+from alpaca.collate import Collator
+from alpaca.constants import INTERVENTIONS
+from alpaca.data import load_records, tokenize
 from alpaca.loss import summed_token_loss
-from alpaca.model import (
-    build_reft_model,
-    intervention_parameters,
-    load_base_model,
-    optimizer_param_groups,
-)
+from alpaca.model import build_reft_model, intervention_parameters, load_base_model
+from alpaca.optim import optimizer_param_groups
 from alpaca.output import load_reft_model, save_interventions
 from alpaca.workarounds import pyreft, trainable_dtype
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import FLOAT64_ATOL, FLOAT64_RTOL, assert_within_rounding
 
-from alpaca.data import Collator, intervention_locations, load_records, tokenize
+from alpaca.collate import Collator, intervention_locations
+from alpaca.data import load_records, tokenize
 from alpaca.loss import summed_token_loss, token_losses, token_weighted_loss
 from alpaca.model import build_reft_model, intervention_parameters, load_base_model, set_attention
 
@@ -244,7 +245,7 @@ def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, m
     import transformers.masking_utils
     from torch.nn.attention import varlen
 
-    from alpaca.args import VARLEN_ATTENTION
+    from alpaca.constants import VARLEN_ATTENTION
 
     calls = []
 
@@ -281,7 +282,7 @@ def test_varlen_attention_refuses_sliding_windows(model_type, config, sliding):
     """sdpa_varlen runs full causal attention: a model with a sliding-window layer is refused in one line."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from alpaca.args import VARLEN_ATTENTION
+    from alpaca.constants import VARLEN_ATTENTION
     from alpaca.errors import UsageError
 
     with torch.device("meta"):

@@ -17,8 +17,8 @@ from conftest import (
     training_flags,
 )
 
-from alpaca.data import global_batches, rank_micro_batches
 from alpaca.output import read_metrics
+from alpaca.sampler import global_batches, rank_micro_batches
 
 
 @pytest.mark.fast

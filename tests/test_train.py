@@ -18,7 +18,8 @@ from conftest import (
     truth_run,
 )
 
-from alpaca.model import build_reft_model, intervention_parameters, load_base_model, optimizer_param_groups
+from alpaca.model import build_reft_model, intervention_parameters, load_base_model
+from alpaca.optim import optimizer_param_groups
 from alpaca.output import load_reft_model, read_metrics, save_interventions
 
 FAST = ["--num_sample_answers", "0", "--logging_steps", "1"]

@@ -1,0 +1,119 @@
+"""One flag's value: parsed from its string (--position, --layers, --field_map, --device_map, --max_memory,
+booleans), and which flag shards the base. Standard library only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from alpaca.constants import DEVICE_MAP_STRATEGIES, RECORD_FIELDS
+from alpaca.errors import UsageError
+
+# What a device of a JSON --device_map or --max_memory may be (whether it is there is checked once torch is loaded).
+_DEVICE = re.compile(r"^(?:\d+|cuda:\d+|cpu|disk)$")
+_SIZE = re.compile(r"^\d+(?:\.\d+)?\s*[KMGT]i?B$")  # what accelerate's convert_file_size_to_int reads
+
+_POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]\d*)\+l(?P<both_l>[1-9]\d*))$")
+
+
+def parse_field_map(value: str) -> dict[str, str]:
+    """'question=instruction,answer=output' -> {'question': 'instruction', 'answer': 'output'}."""
+    mapping = {}
+    for pair in filter(None, value.split(",")):
+        source, _, target = pair.partition("=")
+        if not source.strip() or target.strip() not in RECORD_FIELDS:
+            raise argparse.ArgumentTypeError(f"expected FIELD=TARGET pairs, TARGET one of {', '.join(RECORD_FIELDS)} "
+                                             f"(e.g. question=instruction,answer=output), got {value!r}")
+        mapping[source.strip()] = target.strip()
+    return mapping
+
+
+def parse_device(value, flag: str) -> int | str:
+    """A GPU index (an int, '3' or 'cuda:3'), 'cpu' or 'disk', as transformers reads a device map's values."""
+    text = str(value)
+    if isinstance(value, bool) or not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"{flag}: device {value!r} is not a GPU index, 'cuda:N', 'cpu' or 'disk'")
+    return int(text.removeprefix("cuda:")) if text[-1].isdigit() else text
+
+
+def parse_json_object(value: str, flag: str, example: str) -> dict:
+    try:
+        mapping = json.loads(value)
+    except json.JSONDecodeError:
+        mapping = None
+    if not isinstance(mapping, dict) or not mapping:
+        raise argparse.ArgumentTypeError(f"{flag} {value!r} is neither one of {', '.join(DEVICE_MAP_STRATEGIES)} "
+                                         f"nor a JSON object, e.g. '{example}'" if flag == "--device_map" else
+                                         f"{flag} {value!r} is not a JSON object, e.g. '{example}'")
+    return mapping
+
+
+def parse_device_map(value: str) -> str | dict[str, int | str]:
+    """'auto' (or another of DEVICE_MAP_STRATEGIES), or a JSON object of module name -> device."""
+    if value in DEVICE_MAP_STRATEGIES:
+        return value
+    mapping = parse_json_object(value, "--device_map", '{"model.embed_tokens": 0, "model.layers.0": "disk", ...}')
+    return {name: parse_device(device, "--device_map") for name, device in mapping.items()}
+
+
+def parse_max_memory(value: str) -> dict[int | str, int | str]:
+    """A JSON object of device -> bytes (an int) or a size ('20GiB', '500MB'), accelerate's max_memory."""
+    mapping = parse_json_object(value, "--max_memory", '{"0": "20GiB", "cpu": "64GiB"}')
+    memory = {}
+    for device, size in mapping.items():
+        if not (isinstance(size, int) and size >= 0 or isinstance(size, str) and _SIZE.match(size)):
+            raise argparse.ArgumentTypeError(f"--max_memory: {size!r} for {device!r} is not a size; use bytes or "
+                                             "e.g. '20GiB'")
+        memory[parse_device(device, "--max_memory")] = size
+    return memory
+
+
+def str2bool(value: str) -> bool:
+    """HF-style booleans: `--flag`, `--flag True`, `--flag false`, `--flag 1`."""
+    if value.lower() in ("true", "1", "yes", "y"):
+        return True
+    if value.lower() in ("false", "0", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
+
+
+def parse_position(position: str) -> tuple[int, int]:
+    """`f<n>`, `l<n>` or `f<n>+l<n>` -> (first_n, last_n)."""
+    match = _POSITION.match(position.strip())
+    if not match:
+        raise UsageError(
+            f"--position {position!r} is malformed; use f<n>, l<n> or f<n>+l<n> with n >= 1, e.g. 'f1+l1'"
+        )
+    return int(match["f"] or match["both_f"] or 0), int(match["l"] or match["both_l"] or 0)
+
+
+def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]:
+    """`"8;19"` or `"all"` -> layer indices; validated against the model's depth when it is known."""
+    if layers.strip() == "all":
+        if num_hidden_layers is None:
+            return []
+        return list(range(num_hidden_layers))
+    try:
+        parsed = [int(part) for part in layers.split(";") if part.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--layers {layers!r} is malformed; use integers separated by ';' (e.g. '8;19') or 'all'"
+        ) from None
+    if not parsed:
+        raise UsageError(f"--layers {layers!r} names no layer; use e.g. '8;19' or 'all'")
+    if len(set(parsed)) != len(parsed):
+        raise UsageError(f"--layers {layers!r} repeats a layer; name each layer once")
+    if num_hidden_layers is not None:
+        bad = [layer for layer in parsed if not 0 <= layer < num_hidden_layers]
+        if bad:
+            raise UsageError(
+                f"--layers {layers!r}: layer {bad[0]} is out of range, the model has {num_hidden_layers} "
+                f"layers (0..{num_hidden_layers - 1})"
+            )
+    return parsed
+
+
+def sharding_flag(args: argparse.Namespace) -> str | None:
+    """The flag that shards the base, if one does (train.py has neither)."""
+    return "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None
