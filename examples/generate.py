@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 
-from alpaca.args import (  # noqa: E402
+from alpaca.args import (
     UsageParser,
     add_device_map_flags,
     add_quantization_flags,
@@ -31,8 +31,8 @@ from alpaca.args import (  # noqa: E402
     validate_device_map,
     validate_quantization,
 )
-from alpaca.errors import UsageError  # noqa: E402
-from alpaca.flag_values import parse_position  # noqa: E402
+from alpaca.errors import UsageError
+from alpaca.flag_values import parse_position
 
 PROG = "generate.py"
 
@@ -54,6 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+if __name__ == "__main__":  # --help and usage errors answer here, before the heavy imports below
+    ARGS = parse_args()
+
+import torch
+
+from alpaca.data import check_conversations, read_local_records
+from alpaca.device_map import DeviceMap
+from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, side_by_side
+from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
+from alpaca.output import load_reft_model
+
+
 def run_settings(directory: str) -> dict:
     """The flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
     path = Path(directory)
@@ -65,15 +77,12 @@ def run_settings(directory: str) -> dict:
 
 def read_conversations(path: str) -> list[list[dict]]:
     """The messages of each record of a .json/.jsonl file of conversations, each ending with the user's turn."""
-    from alpaca.data import check_conversations, read_local_records  # after parsing, as in generate()
-
     records = read_local_records(path, "--conversations_file")
     check_conversations(records, f"--conversations_file {path!r}", last_role="user")
     return [record["messages"] for record in records]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     try:
         validate_quantization(args)
         validate_device_map(args)
@@ -83,13 +92,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def generate(args: argparse.Namespace) -> None:
-    import torch
-
-    from alpaca.device_map import DeviceMap
-    from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, side_by_side
-    from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
-    from alpaca.output import load_reft_model
-
     runs = [args.reft_dir] + ([args.compare] if args.compare else [])
     settings = [run_settings(run) for run in runs]
     instructions = list(args.instruction)
@@ -130,4 +132,4 @@ def generate(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

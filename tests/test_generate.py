@@ -1,6 +1,5 @@
 """examples/generate.py: base vs ReFT answers of a trained run, and two runs compared."""
 
-import importlib.util
 import json
 import shutil
 
@@ -119,7 +118,7 @@ def test_generate_needs_a_training_output(tmp_path):
     assert "has no training_args.json" in result.stderr.strip().splitlines()[-1]
 
 
-def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny_data, tmp_path, monkeypatch, capsys):
+def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny_data, tmp_path, monkeypatch):
     """train.py --prompt_template chat records the template; its sample answers and examples/generate.py on its
     output build their prompts with the tokenizer's chat template."""
     import alpaca.generation
@@ -141,9 +140,8 @@ def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny
     assert prompts == [chat_prompt] and f"Instruction: {SAMPLE_INSTRUCTIONS[0]}" in stdout
 
     prompts.clear()
-    spec = importlib.util.spec_from_file_location("generate_example", GENERATE)
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
-    generate.main(["--reft_dir", str(output_dir), "--instruction", INSTRUCTIONS[0], "--max_new_tokens", "4"])
+    status, stdout, stderr = run_in_process(GENERATE, ["--reft_dir", output_dir, "--instruction", INSTRUCTIONS[0],
+                                                       "--max_new_tokens", "4"])
+    assert status == 0, stderr[-3000:]
     assert prompts == [f"<s><|im_start|>user\n{INSTRUCTIONS[0]}</s>\n<|im_start|>assistant\n"]
-    assert f"Instruction: {INSTRUCTIONS[0]}" in capsys.readouterr().out
+    assert f"Instruction: {INSTRUCTIONS[0]}" in stdout
