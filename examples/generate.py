@@ -65,13 +65,20 @@ from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, side_by_side
 from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
 from alpaca.output import load_reft_model
 
+RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_template")
+
 
 def run_settings(directory: str) -> dict:
     """The flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
     path = Path(directory)
     for candidate in (path / "training_args.json", path.parent / "training_args.json"):
         if candidate.exists():
-            return json.loads(candidate.read_text())
+            settings = json.loads(candidate.read_text())
+            missing = [name for name in RUN_SETTINGS if name not in settings]
+            if missing:
+                raise UsageError(f"{str(candidate)!r} records no {', '.join(missing)}: it was not written by this "
+                                 "train.py; train the run again")
+            return settings
     raise UsageError(f"{directory!r} has no training_args.json; pass an output_dir written by train.py")
 
 
@@ -117,8 +124,7 @@ def generate(args: argparse.Namespace) -> None:
             device_map.place(reft_model)
         position = parse_position(run_args["position"])
         num_layers = num_intervened_layers(reft_model, position, run_args["share_weights"])
-        # Runs from before --prompt_template trained on the Alpaca prompt.
-        prompt_template = run_args.get("prompt_template", "alpaca")
+        prompt_template = run_args["prompt_template"]
         if args.conversations_file and prompt_template != "chat":
             raise UsageError(f"--conversations_file: {run!r} was trained with --prompt_template {prompt_template}; "
                              "conversations need a run trained with --prompt_template chat")

@@ -118,6 +118,18 @@ def test_generate_needs_a_training_output(tmp_path):
     assert "has no training_args.json" in result.stderr.strip().splitlines()[-1]
 
 
+def test_generate_refuses_a_run_whose_arguments_lack_a_setting(runs, tmp_path):
+    """training_args.json without a setting generation needs (another program's, or hand-edited): one line, exit 2."""
+    root, _ = runs
+    settings = json.loads((root / "single" / "training_args.json").read_text())
+    del settings["prompt_template"]
+    (tmp_path / "training_args.json").write_text(json.dumps(settings))
+    status, _, stderr = run_in_process(GENERATE, ["--reft_dir", tmp_path])
+    assert status == 2, stderr[-3000:]
+    assert stderr.strip().splitlines() == [f"generate.py: error: {str(tmp_path / 'training_args.json')!r} records no "
+                                           "prompt_template: it was not written by this train.py; train the run again"]
+
+
 def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny_data, tmp_path, monkeypatch):
     """train.py --prompt_template chat records the template; its sample answers and examples/generate.py on its
     output build their prompts with the tokenizer's chat template."""
