@@ -276,8 +276,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--gradient_checkpointing recomputes whole decoder layers, inside which --component "
                          f"{args.component} is hooked; drop one of them or use --component block_output")
     if args.share_weights and not all(parse_position(args.position)) and is_main_process():
-        print(f"warning: --share_weights shares one intervention between the f and l windows of a layer; "
-              f"--position {args.position} has one window, so it changes nothing", file=sys.stderr)
+        print(f"warning: --share_weights shares one intervention between a layer's first and last positions; "
+              f"--position {args.position} has only one of them, so it changes nothing", file=sys.stderr)
     follow_accelerate_launch(args)
     follow_accelerate_precision_and_dynamo(args)
     fsdp_words = set(getattr(args, "fsdp", "").split())
