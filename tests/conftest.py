@@ -200,7 +200,7 @@ def training_flags(model, data, output_dir, *extra) -> list[str]:
               for token in (name, str(value))), *extra]
 
 
-# What the equivalence runs (COMMON, FLAGS) add to training_flags: windows of 2 at both ends of the prompt, rank 4,
+# What the equivalence runs (COMMON, FLAGS) add to training_flags: the first and last 2 positions of the prompt, rank 4,
 # a learning rate that moves the tiny model within a few steps after 2 warmup steps, each step logged.
 EQUIVALENCE_RUN = ["--position", "f2+l2", "--rank", "4", "--learning_rate", "1e-2", "--logging_steps", "1",
                    "--num_sample_answers", "0", "--warmup_steps", "2"]

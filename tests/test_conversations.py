@@ -134,7 +134,7 @@ def test_a_conversation_changes_the_loss_through_its_earlier_turns(chat_tokenize
 
 def test_a_pack_labels_each_conversation_as_its_padded_row(chat_tokenizer, tmp_path):
     """--packing: each conversation's labels, earlier assistant turns included, sit in the pack where it starts,
-    as in its padded row; its intervention windows are moved there too."""
+    as in its padded row; its intervened positions are moved there too."""
     records = load_records(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION},
                                                                  {"messages": CONVERSATION[:3]}] * 2))
     examples = list(tokenize(records, chat_tokenizer, 512, "chat"))
@@ -144,7 +144,7 @@ def test_a_pack_labels_each_conversation_as_its_padded_row(chat_tokenizer, tmp_p
         length = example["length"]
         assert torch.equal(pack["labels"][0, start : start + length], padded["labels"][row, :length])
         assert torch.equal(pack["position_ids"][0, start : start + length], torch.arange(length))
-        windows = [window[row][0].item() + start for window in padded["intervention_locations"]]  # (1, 1)
-        assert windows == [window[0][row].item() for window in pack["intervention_locations"]]
+        firsts = [locations[row][0].item() + start for locations in padded["intervention_locations"]]  # (1, 1)
+        assert firsts == [locations[0][row].item() for locations in pack["intervention_locations"]]
         start += length
     assert pack["num_label_tokens"] == padded["num_label_tokens"] and pack["input_ids"].shape == (1, start)

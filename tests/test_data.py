@@ -87,14 +87,14 @@ def test_positions_first_last_and_both():
     assert first_and_last_positions(10, 1, 0) == ([0], [])
     assert first_and_last_positions(10, 0, 1) == ([], [9])  # l1 is the last prompt token
     assert first_and_last_positions(10, 2, 3) == ([0, 1], [7, 8, 9])
-    # f+l without sharing: first half of the interventions on the first window, second half on the last.
+    # f+l without sharing: first half of the interventions on the first positions, second half on the last.
     assert intervention_locations([10], (2, 3), False, 2, pad_position=99) == [
         [[0, 1]], [[0, 1]], [[7, 8, 9]], [[7, 8, 9]]]
-    # shared weights: one intervention per layer over both windows.
+    # shared weights: one intervention per layer over first and last positions.
     assert intervention_locations([10], (2, 3), True, 2, pad_position=99) == [[[0, 1, 7, 8, 9]]] * 2
 
 
-def test_short_prompts_shrink_windows_without_overlap_and_pad_with_the_noop_column():
+def test_short_prompts_shrink_first_and_last_positions_without_overlap_and_pad_with_the_noop_column():
     assert first_and_last_positions(3, 2, 2) == ([0], [1, 2])
     assert first_and_last_positions(1, 1, 1) == ([], [0])
     assert first_and_last_positions(2, 5, 0) == ([0, 1], [])

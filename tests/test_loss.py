@@ -76,10 +76,10 @@ def test_data_parallel_scaling_matches_one_process(setup):
 
 @pytest.mark.fast
 def test_padding_position_is_a_noop(setup):
-    """A prompt too short for its windows: the padded interventions change neither loss nor gradient."""
+    """A prompt too short for its intervened positions: the padded interventions change neither loss nor gradient."""
     reft_model, dataset, collate = setup
     example = dict(dataset[0])
-    example["prompt_length"] = 3  # windows f2+l2 do not fit: the first window is padded
+    example["prompt_length"] = 3  # f2+l2 does not fit: the first positions are padded
     padded = collate([example])
     assert padded["intervention_locations"][0][0][1] == len(example["input_ids"]) - 1
     unpadded = dict(padded)
@@ -198,7 +198,7 @@ def test_a_penalty_over_the_intervened_positions_needs_their_mask(setup):
     are, and where, depends on how the step is cut)."""
     reft_model, dataset, collate = setup
     examples = [dict(dataset[i]) for i in range(4)]
-    examples[1]["prompt_length"] = examples[3]["prompt_length"] = 3  # windows f2+l2 do not fit: padded
+    examples[1]["prompt_length"] = examples[3]["prompt_length"] = 3  # f2+l2 does not fit: padded
     whole, shards = collate(examples), [collate(examples[:2]), collate(examples[2:])]
     assert not all(mask.all() for mask in whole["intervention_mask"])
     assert whole["num_intervened_positions"] == sum(shard["num_intervened_positions"] for shard in shards)
