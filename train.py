@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from alpaca.args import exit_on_usage_error, parse_args
+from alpaca.args import exit_on_usage_error, parse_args, resolve_device_defaults
 
 PROG = "train.py"
 
@@ -30,7 +30,6 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from alpaca.args import resolve_device_defaults
 from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
 from alpaca.collate import Collator, StepCollator, give_step_counts, step_counts
 from alpaca.data import load_splits, prepare_dataset
@@ -66,7 +65,8 @@ def main(args: argparse.Namespace) -> None:
 
 def train_on_one_device(args) -> None:
     """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU); with
-    --device_map the base spreads over every visible GPU (and the CPU, disk), the batch entering on the first."""
+    --device_map the base spreads over every visible GPU (and the CPU, disk), the batch entering on the first. The
+    device decides the dtype, the attention check and the device defaults of flags."""
     started = time.perf_counter()
     gpus = []
     if torch.cuda.is_available():

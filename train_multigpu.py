@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from alpaca.args import exit_on_usage_error, parse_args
+from alpaca.args import exit_on_usage_error, parse_args, resolve_device_defaults
 
 PROG = "train_multigpu.py"
 
@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from alpaca.args import resolve_device_defaults
 from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
 from alpaca.collate import Collator, StepCollator, give_step_counts, step_counts
 from alpaca.data import load_splits, prepare_dataset
@@ -77,9 +76,9 @@ def main(args: argparse.Namespace) -> None:
         exit_on_usage_error(PROG, error)
 
 
-
 def train_in_process_group(args) -> None:
-    """This process's device(s), then the process group's life: created, the training run in it, destroyed."""
+    """This process's device(s) and what they decide (dtype, attention check, device defaults of flags), then the
+    process group's life: created, the training run in it, destroyed."""
     started = time.perf_counter()
     # -- launch environment: torchrun / accelerate set these; plain `python` is a world of one ------------
     if "RANK" not in os.environ:
@@ -187,7 +186,8 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
                                                        args.save_total_limit), participate=is_main, device=device)
 
     # -- data: each rank's share of each global batch, one DataLoader item per optimizer step -------------
-    sampler, loader, placeholder, eval_order = loaders(args, dataset, eval_dataset, collate, device, rank, world_size)
+    sampler, loader, placeholder, eval_order = data_pipeline(args, dataset, eval_dataset, collate, device, rank,
+                                                             world_size)
     # The per-step agreement travels as a CPU tensor, over gloo: the host never waits for the device for it.
     host_group = None if backend == "gloo" else dist.new_group(backend="gloo")
 
@@ -249,22 +249,21 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers, synced_ranks=strategy.shards_base)
                if args.num_sample_answers > 0 and (is_main or strategy.shards_base) else None)
     with strategy.gathered():
-        run_checked(lambda: save_and_report(args, reft_model, metrics, answers, started, f"Trained to step {step} in "
-                                            f"{train_time:.0f}s on {world_size} processes: {throughput}"),
+        run_checked(lambda: save_and_report(args, reft_model, metrics, step, train_time, throughput, answers, started),
                     participate=is_main, device=device)
 
 
-def exit_preempted(stop: StopSignal, step: int, checkpoint: Path, metrics: MetricsLog | None) -> NoReturn:
+def exit_preempted(stop: StopSignal, step: int, path: Path | None, metrics: MetricsLog | None) -> NoReturn:
     """Rank 0 (the one with `metrics`) closes its log and says where the checkpoint is. Every rank exits 128 + the
     signal's number, or 1 where the signal came to another rank."""
     if metrics is not None:
         metrics.close()
         print(f"{PROG}: stopped by {stop.name or 'a signal to another rank'} after step {step}; checkpoint in "
-              f"{checkpoint}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
+              f"{path}. Resume with --resume_from_checkpoint auto", file=sys.stderr)
     sys.exit(stop.exit_code if stop.received else 1)
 
 
-def loaders(args, dataset, eval_dataset, collate, device, rank: int, world_size: int):
+def data_pipeline(args, dataset, eval_dataset, collate, device, rank: int, world_size: int):
     """This rank's share of each global batch, one DataLoader item per optimizer step; the placeholder batch run
     at zero weight where a rank's share of a global batch falls short; the evaluation's batches."""
     lengths = np.array(dataset["length"])
@@ -281,14 +280,17 @@ def loaders(args, dataset, eval_dataset, collate, device, rank: int, world_size:
     return sampler, loader, placeholder, eval_order
 
 
-def save_and_report(args, reft_model, metrics, answers: str | None, started: float, trained: str) -> None:
+def save_and_report(args, reft_model, metrics: MetricsLog, step: int, train_time: float, throughput: str,
+                    answers: str | None, started: float) -> None:
     """Rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png, and the last lines."""
     save_output(reft_model, metrics, args.output_dir)
-    print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
+    print(f"Trained to step {step} in {train_time:.0f}s on {dist.get_world_size()} processes: {throughput}; "
+          f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
           f"{args.output_dir}/")
     if answers:
         print(answers)
     print(f"Done in {time.perf_counter() - started:.0f}s.")
+
 
 def backward_step(strategy, train_model, micro_batches: list[dict], micro_steps: int, placeholder: dict,
                   step_label_tokens: int, window, device, gpus: list[int]) -> None:

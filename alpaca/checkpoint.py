@@ -1,4 +1,5 @@
-"""Checkpoints on disk: written atomically, verified when read, rotated; the output directory's checks.
+"""Checkpoints on disk: written atomically, verified when read, rotated; the output directory's checks; the
+final output's write (`save_output`), under the same storage errors.
 
 A checkpoint `output_dir/checkpoint-<step>/` holds the interventions twice: in pyreft's format (to load
 or evaluate it like a final output) and as their full torch state (pyreft's format keeps the rotation's
@@ -50,13 +51,13 @@ class TrainerState:
     window: list[float]  # the logging window so far, summed over ranks: (summed loss, label tokens, tokens)
     optimizer: dict  # torch's optimizer.state_dict() (under DeepSpeed: alpaca.deepspeed.optimizer_state, the same)
     scheduler: dict
-    rng: list[dict[str, torch.Tensor]]  # every rank's random generators (rng_state), in rank order
-    geometry: dict  # the global batch and how it was made up (geometry)
+    rng: list[dict[str, torch.Tensor]]  # every rank's random generators (alpaca.resume.rng_state), in rank order
+    geometry: dict  # the global batch and how it was made up (alpaca.resume.geometry)
     seed: int
     num_examples: int
     prompt_template: str
     wandb_run_id: str | None
-    fingerprint: dict  # the data, base model and flags the run is bound to (training_fingerprint)
+    fingerprint: dict  # the data, base model and flags the run is bound to (alpaca.resume.training_fingerprint)
 
 
 def _fixed_buffers(intervention) -> dict[str, torch.Tensor]:

@@ -25,12 +25,6 @@ def first_and_last_positions(prompt_length: int, first_n: int, last_n: int) -> t
     return list(range(n_first)), list(range(prompt_length - n_last, prompt_length))
 
 
-def num_interventions(num_layers: int, position: tuple[int, int], share_weights: bool) -> int:
-    """pyreft's layout: with f+l and no weight sharing the layer list is doubled."""
-    first_n, last_n = position
-    return num_layers * (2 if first_n and last_n and not share_weights else 1)
-
-
 def intervention_locations(
     prompt_lengths: list[int], position: tuple[int, int], share_weights: bool, num_layers: int,
     pad_position: int | None, offsets: list[int] | None = None,

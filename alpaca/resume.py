@@ -145,7 +145,7 @@ def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: i
                          f"{describe_geometry(current)}; resume with the same global batch")
     if trainer_state["seed"] != args.seed:
         raise other_data_or_seed(trainer_state, args, num_examples)
-    saved_template = trainer_state.get("prompt_template", "alpaca")  # checkpoints from before the flag: alpaca
+    saved_template = trainer_state["prompt_template"]
     if saved_template != args.prompt_template:
         raise UsageError(f"the checkpoint was trained with --prompt_template {saved_template}, this run has "
                          f"{args.prompt_template}; resume with --prompt_template {saved_template}")

@@ -51,7 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_device_map_flags(parser.add_argument_group("placement, for a base one device cannot hold (as in training)"))
     add_quantization_flags(parser.add_argument_group("quantization of the base (as in training)"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        validate_quantization(args)
+        validate_device_map(args)
+    except UsageError as error:
+        exit_on_usage_error(PROG, error)
+    return args
 
 
 if __name__ == "__main__":  # --help and usage errors answer here, before the heavy imports below
@@ -91,8 +97,6 @@ def read_conversations(path: str) -> list[list[dict]]:
 
 def main(args: argparse.Namespace) -> None:
     try:
-        validate_quantization(args)
-        validate_device_map(args)
         generate(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)

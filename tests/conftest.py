@@ -240,8 +240,8 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
 def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
     """One of the project's scripts (train.py, train_multigpu.py, examples/generate.py) run as `python script argv`
     runs it, but in this process: (exit status, stdout, stderr). For runs where no process boundary is under test
-    (usage errors, refused resumes, runs that others are compared with, resumes after a crash); it saves the ~7 s
-    of imports a fresh interpreter pays. The environment (train_multigpu.py sets a world of one), sys.argv and
+    (usage errors, refused resumes, runs that others are compared with, resumes after a crash); it saves the
+    imports a fresh interpreter pays. The environment (train_multigpu.py sets a world of one), sys.argv and
     the stop-signal handlers are restored afterwards."""
     handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
     environment, saved_argv = dict(os.environ), sys.argv

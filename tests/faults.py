@@ -10,7 +10,8 @@ Without FAULT the script runs as it is. Either way, the process-group threads st
 has returned, and the exit status it asks for, are printed last to stderr: a group destroyed for good leaves
 no thread.
 
-In a test's own process (faults that need no process of their own): `with Fault("enospc", 4): main(argv)`.
+In a test's own process (faults that need no process of their own):
+`with Fault("enospc", 4): run_in_process("train.py", argv)`.
 """
 
 import errno

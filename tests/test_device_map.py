@@ -118,7 +118,7 @@ def test_gpus_that_do_not_divide_among_the_processes(tiny_model, tmp_path):
 @pytest.mark.fast
 def test_a_checkpoint_keeps_the_random_state_of_every_gpu_of_the_process(monkeypatch):
     """A device map runs interventions, and their dropout, on each GPU of the process: a checkpoint keeps every
-    one's generator (the first under "cuda", as before device maps), and a resume puts each back on its GPU.
+    one's generator (the first under "cuda", as a one-GPU run has it), and a resume puts each back on its GPU.
     (CUDA's generators faked: no GPU here.)"""
     from alpaca.resume import restore_rng_state, rng_state
 

@@ -143,7 +143,7 @@ def test_noreft_trains_end_to_end_and_generate_loads_it(tiny_model, tmp_path):
 
 
 @pytest.mark.fast
-def test_share_weights_with_one_window_says_it_changes_nothing(capsys):
+def test_share_weights_with_only_first_or_last_positions_says_it_changes_nothing(capsys):
     parse_args("train.py", ["--position", "l3", "--share_weights"])
     assert "--position l3 has only one of them, so it changes nothing" in capsys.readouterr().err
     parse_args("train.py", ["--position", "f1+l1", "--share_weights"])

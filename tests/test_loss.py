@@ -209,8 +209,8 @@ def test_a_penalty_over_the_intervened_positions_needs_their_mask(setup):
                                 unit_locations={"sources->base": (None, locations)})
         hidden = outputs.hidden_states[3]  # the output of layer 2, the last intervened one
         rows = torch.arange(hidden.shape[0])[:, None]
-        return sum((hidden[rows, window].pow(2).sum(-1) * (mask if masked else 1)).sum()
-                   for window, mask in zip(locations, batch["intervention_mask"]))
+        return sum((hidden[rows, positions].pow(2).sum(-1) * (mask if masked else 1)).sum()
+                   for positions, mask in zip(locations, batch["intervention_mask"]))
 
     parameters = [p for _, p in intervention_parameters(reft_model)]
     for masked in (True, False):
@@ -225,7 +225,7 @@ def test_a_penalty_over_the_intervened_positions_needs_their_mask(setup):
 def test_a_pack_is_the_padded_batch(setup, attention):
     """--packing: examples end to end in one row, positions restarting at each, give every example's loss and
     the gradients of the padded batch (float64, to summation order), with transformers' SDPA and eager
-    attention; also with a prompt too short for its windows (padded windows) and the tail rounded up."""
+    attention; also with a prompt too short for its intervened positions (padded ones) and the tail rounded up."""
     reft_model = setup[0]
     implementation = reft_model.model.config._attn_implementation
     reft_model.model.set_attn_implementation(attention)
@@ -299,7 +299,7 @@ def test_varlen_attention_refuses_sliding_windows(model_type, config, sliding):
 
 def assert_pack_is_the_padded_batch(reft_model, dataset, collate) -> None:
     examples = [dict(dataset[i]) for i in range(5)]
-    examples[2]["prompt_length"] = 3  # windows f2+l2 do not fit
+    examples[2]["prompt_length"] = 3  # f2+l2 does not fit
     rounded = Collator(collate.pad_token_id, POSITION, False, num_layers=2, pad_to_multiple_of=16)
     padded, pack = collate(examples), rounded.pack(examples)
     assert pack["input_ids"].shape == (1, -(-sum(len(e["input_ids"]) for e in examples) // 16) * 16)

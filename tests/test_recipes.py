@@ -209,8 +209,8 @@ def test_slurm_recipe_under_a_stand_in_srun(runs, tmp_path):
 
 
 def test_cpu_smoke_recipe_with_shared_interventions_in_file_order(tiny_model, tiny_data, tmp_path):
-    """The smoke recipe, on paths no other run takes: one intervention per layer shared by both windows, and
-    batches in the data's order (no length grouping). One and two processes train the same model."""
+    """The smoke recipe, on paths no other run takes: one intervention per layer shared by its first and last
+    positions, and batches in the data's order (no length grouping). One and two processes train the same model."""
     result = recipe("cpu_smoke.sh", ["--layers", "1;3", "--share_weights", "--group_by_length", "false",
                                      "--logging_steps", "1"],
                     {"MODEL": str(tiny_model), "DATA": str(tiny_data), "OUTPUT_DIR": str(tmp_path)})
@@ -218,6 +218,6 @@ def test_cpu_smoke_recipe_with_shared_interventions_in_file_order(tiny_model, ti
     args = json.loads((tmp_path / "two-processes" / "training_args.json").read_text())
     assert (args["share_weights"], args["group_by_length"]) == (True, False)
     weights = intervention_weights(tmp_path / "one-process")
-    assert len({name.split("/")[0] for name in weights}) == 2  # one per layer, not per layer and window
+    assert len({name.split("/")[0] for name in weights}) == 2  # one per layer, not per layer and side
     assert_same_run(tmp_path / "two-processes", tmp_path / "one-process")
     assert "one-process" in result.stdout and "two-processes" in result.stdout  # the answers, side by side

@@ -96,7 +96,7 @@ def test_rotation_never_gets_weight_decay(tiny_model):
     names = {id(p): n for n, p in intervention_parameters(reft_model)}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all("learned_source.weight" in names[id(p)] for p in decay["params"])
-    assert sum("rotate_layer" in names[id(p)] for p in no_decay["params"]) == 8  # 4 layers x 2 windows
+    assert sum("rotate_layer" in names[id(p)] for p in no_decay["params"]) == 8  # 4 layers x first and last positions
 
 
 def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
