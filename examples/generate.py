@@ -69,7 +69,7 @@ from alpaca.data import check_conversations, read_local_records
 from alpaca.device_map import DeviceMap
 from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, side_by_side
 from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
-from alpaca.output import load_reft_model
+from alpaca.output import ARGS_FILE, load_reft_model
 
 RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_template")
 
@@ -77,7 +77,7 @@ RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_templ
 def run_settings(directory: str) -> dict:
     """The flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
     path = Path(directory)
-    for candidate in (path / "training_args.json", path.parent / "training_args.json"):
+    for candidate in (path / ARGS_FILE, path.parent / ARGS_FILE):
         if candidate.exists():
             settings = json.loads(candidate.read_text())
             missing = [name for name in RUN_SETTINGS if name not in settings]
