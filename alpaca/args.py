@@ -378,10 +378,14 @@ def validate_quantization(args: argparse.Namespace) -> None:
     if args.dtype == "float64":
         raise UsageError(f"{quantized} computes in float32, bfloat16 or float16, not float64; pick one of those with "
                          "--dtype, or drop the quantization")
-    if getattr(args, "fsdp", ""):
-        raise UsageError(f"{quantized} and --fsdp do not combine: FSDP2 shards plain tensors and would drop "
-                         "bitsandbytes' quantization state; use DDP (each rank its own quantized copy), "
-                         "--device_map, or --fsdp on an unquantized base (docs/big-models.md)")
+    fsdp_words = getattr(args, "fsdp", "").split()
+    if fsdp_words and args.load_in_8bit:
+        raise UsageError("--load_in_8bit and --fsdp do not combine: bitsandbytes keeps an 8-bit weight's row scales on "
+                         "the weight, which FSDP2's gathered weight loses; use --load_in_4bit with --fsdp, or DDP "
+                         "(docs/big-models.md)")
+    if "offload" in fsdp_words:
+        raise UsageError(f"{quantized} with --fsdp offload: the shards would sit in CPU memory and their quantization "
+                         "constants with them, not on the GPU that computes; drop 'offload' (docs/big-models.md)")
     if getattr(args, "deepspeed", None) and stage(args.deepspeed_config) == 3:
         raise UsageError(f"{quantized} and ZeRO-3 do not combine: ZeRO-3 partitions the base's weights, which "
                          "bitsandbytes keeps quantized as whole tensors; use ZeRO-1/2 (examples/deepspeed/zero2.json) "

@@ -19,7 +19,7 @@ from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers
 from alpaca.layers import decoder_layers, offloaded
 from alpaca.manifest import cache_root, cached_directory, sha256
-from alpaca.sharding import empty_base_model
+from alpaca.sharding import empty_base_model, quantize_empty_base
 from alpaca.workarounds import (
     causal_attention_without_mask_checks,
     compute_in_float32,
@@ -192,16 +192,21 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.deepspeed.partition_base`). With a `device_map`
     (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`. With `quantization`
     (alpaca.args.quantization_settings) bitsandbytes quantizes its linear layers as they load, in place: on
-    `device`, or where the map puts them."""
+    `device`, or where the map puts them; on the meta device they are bitsandbytes' layers already
+    (`alpaca.sharding.quantize_empty_base`), and `load_shards` quantizes their weights."""
     path = resolve_model_path(model_name_or_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(
         path, padding_side="right", cache_dir=cache_dir
     )  # no model_max_length: `tokenize` truncates, and transformers would warn about every long record
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
-    if device.type == "meta":
-        return empty_base_model(path, dtype, cache_dir, reader), tokenizer
     quantized = quantization_config(quantization, dtype, device_map)
+    if device.type == "meta":
+        model = empty_base_model(path, dtype, cache_dir, reader)
+        if quantized is not None:  # --fsdp --load_in_4bit (alpaca.args refuses the other quantizations there)
+            quantize_empty_base(model, quantized)
+            keep_4bit_layers_differentiable(model)
+        return model, tokenizer
     if device_map is not None:
         placement = device_map.from_pretrained_kwargs(path, dtype, cache_dir)
     else:  # quantized where it computes: a bitsandbytes model is not moved after loading

@@ -9,6 +9,10 @@ partition) it, then fill each rank's part straight from the checkpoint's safeten
 ZeRO-3 (alpaca.deepspeed.partition_base) partitions each tensor flat instead, and reads each rank's range of
 elements with `read_elements`.
 
+With --load_in_4bit (`quantize_empty_base`) the meta base's linear layers become bitsandbytes' Linear4bit, each
+weight shaped as its packed 4-bit bytes; each rank then reads one whole weight at a time, quantizes it as
+transformers does and keeps its rows of the packed bytes (`read_quantized_rows`).
+
 Under DDP the weights stay file-backed (a memory map, shared by the ranks through the page cache); a
 sharded rank instead holds its shards as private memory, so it must never hold more than its shards plus
 the unit it gathers for the moment. Each rank reads only the rows of each tensor that it owns, converting
@@ -22,6 +26,7 @@ import ctypes.util
 import json
 import math
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,6 +53,28 @@ def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def quantize_empty_base(model, config) -> None:
+    """--fsdp with --load_in_4bit: transformers' bitsandbytes quantizer turns the meta base's linear layers into
+    Linear4bit, the layers and settings `from_pretrained(quantization_config=config)` quantizes; each weight then
+    takes the shape of its packed bytes (bitsandbytes' (n + 1) // 2 x 1 uint8), which fully_shard shards by rows."""
+    import bitsandbytes as bnb
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    quantizer.preprocess_model(model, device_map=None)
+    quantizer.postprocess_model(model)  # the config on the model, as from_pretrained leaves it (nothing is loaded)
+    model.hf_quantizer = quantizer
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight, values_per_element = module.weight, 2 * module.quant_storage.itemsize
+            packed = torch.empty((weight.numel() + 1) // values_per_element, 1, dtype=module.quant_storage,
+                                 device="meta")
+            module.weight = bnb.nn.Params4bit(packed, requires_grad=False, blocksize=weight.blocksize,
+                                              compress_statistics=weight.compress_statistics,
+                                              quant_type=weight.quant_type, quant_storage=module.quant_storage,
+                                              module=module, bnb_quantized=True)
 
 
 def safetensors_index(model_name_or_path: str, cache_dir: str | None = None,
@@ -77,25 +104,31 @@ def load_shards(model: torch.nn.Module, model_name_or_path: str, device: torch.d
                 cache_dir: str | None = None) -> None:
     """Allocate the local shards of a model sharded on the meta device (`fully_shard`) and fill them, each
     rank reading only its own slice of each tensor. Buffers keep the values computed at construction
-    unless the checkpoint has them. Tied parameters stay tied (one parameter, filled once)."""
-    # local shape and offset of a DTensor's local part, as torch's distributed checkpoint computes them
-
+    unless the checkpoint has them. Tied parameters stay tied (one parameter, filled once). The weights of a
+    4-bit base (`quantize_empty_base`) are read whole, one at a time, and quantized (`read_quantized_rows`)."""
     index = checkpoint_index(model, model_name_or_path, cache_dir, "--fsdp")
+    quantized = {f"{name}.weight": module for name, module in model.named_modules() if hasattr(module, "quant_storage")}
     buffers = dict(model.named_buffers())
     model.to_empty(device=device)  # uninitialized memory for the local shards only (and the buffers)
     place_buffers(model, buffers, index, device)
     with torch.no_grad():
         for name, parameter in model.named_parameters():  # tied parameters appear once, under their first name
+            read = read_rows
+            if name in quantized:
+                read = partial(read_quantized_rows, module=quantized[name], config=model.config.quantization_config,
+                               device=device)
             if isinstance(parameter, DTensor):
                 local = parameter.to_local()
+                # local shape and offset of a DTensor's local part, as torch's distributed checkpoint computes them
                 shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
                                                                       parameter.placements)
                 if any(start for start in offset[1:]) or tuple(local.shape) != tuple(shape):
                     raise NotImplementedError(f"{name}: only row-wise shards (FSDP's Shard(0)) are read")
+                rows = read(index[name], name, slice(offset[0], offset[0] + shape[0]))
                 if local.numel():
-                    local.copy_(read_rows(index[name], name, slice(offset[0], offset[0] + shape[0])))
+                    local.copy_(rows)
             else:
-                parameter.copy_(read_rows(index[name], name))
+                parameter.copy_(read(index[name], name))
     check_loaded(model)
 
 
@@ -131,6 +164,22 @@ def read_rows(file: Path, name: str, rows: slice | None = None) -> torch.Tensor:
     with safe_open(file, framework="pt") as opened:
         tensor_slice = opened.get_slice(name)
         return tensor_slice[:] if rows is None else tensor_slice[rows]
+
+
+def read_quantized_rows(file: Path, name: str, rows: slice | None = None, *, module, config,
+                        device: torch.device) -> torch.Tensor:
+    """The packed 4-bit bytes of weight `name` of bitsandbytes' Linear4bit `module`, or only their `rows`: the
+    whole tensor read, cast to the compute dtype and quantized on `device` as transformers' loader does it (the
+    same bytes as `--load_in_4bit` on one process); NF4's scales run along the flattened tensor, so no rank can
+    quantize its rows alone. The module keeps the quantization state (the scales), whole: FSDP2's gathered
+    weight is a plain tensor, to which bitsandbytes' Linear4bit gives the module's state back at each forward."""
+    import bitsandbytes as bnb
+
+    whole = read_rows(file, name).to(module.compute_dtype)
+    weight = bnb.nn.Params4bit(whole, requires_grad=False, compress_statistics=config.bnb_4bit_use_double_quant,
+                               quant_type=config.bnb_4bit_quant_type, quant_storage=module.quant_storage,
+                               module=module).to(device)  # sets module.quant_state
+    return weight.data if rows is None else weight.data[rows]
 
 
 def read_elements(file: Path, name: str, start: int, stop: int) -> torch.Tensor:

@@ -132,17 +132,18 @@ class FSDP(Strategy):
     layout = "sharded (FSDP)"
     shards_base = True
 
-    def __init__(self, device: torch.device, max_grad_norm: float, offload: bool) -> None:
+    def __init__(self, device: torch.device, max_grad_norm: float, offload: bool,
+                 quantization: dict | None = None) -> None:
         if offload and device.type != "cuda":
             raise UsageError("--fsdp offload keeps the shards in CPU memory for GPUs; on CPUs drop 'offload'")
-        super().__init__(device, max_grad_norm)
+        super().__init__(device, max_grad_norm, quantization=quantization)  # 4-bit: each rank 1/N of the bytes
         self.offload = offload
         if device.type == "cpu":
             return_freed_buffers_to_the_os()
 
     def load_base(self, model_path, dtype, cache_dir):
         self.model_path, self.cache_dir = model_path, cache_dir
-        return load_base_model(model_path, dtype, torch.device("meta"), cache_dir)
+        return load_base_model(model_path, dtype, torch.device("meta"), cache_dir, quantization=self.quantization)
 
     def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
         shard_base_model(reft_model.model, self.device, self.offload)
@@ -278,16 +279,21 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
         return (parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
                 + quantization_constant_bytes(parameter))
 
-    return sum(held(parameter) for parameter in module.parameters() if parameter.device.type != "meta")
+    # FSDP2's shard of a 4-bit weight has lost its quantization state; bitsandbytes' Linear4bit keeps it, whole
+    sharded_constants = sum(quantization_constant_bytes(layer) for layer in module.modules()
+                            if isinstance(getattr(layer, "weight", None), DTensor))
+    return sharded_constants + sum(held(parameter) for parameter in module.parameters()
+                                   if parameter.device.type != "meta")
 
 
-def quantization_constant_bytes(parameter: torch.Tensor) -> int:
-    """What a bitsandbytes weight keeps beside its quantized values: a 4-bit one's QuantState (a scale per block
-    of 64 values, and with double quantization their own scales), an 8-bit one's scale per row (SCB)."""
-    state = getattr(parameter, "quant_state", None)
+def quantization_constant_bytes(holder: torch.Tensor | torch.nn.Module) -> int:
+    """What a bitsandbytes weight (or the Linear4bit of a sharded one) keeps beside its quantized values: a 4-bit
+    one's QuantState (a scale per block of 64 values, and with double quantization their own scales), an 8-bit
+    one's scale per row (SCB)."""
+    state = getattr(holder, "quant_state", None)
     if state is not None:
         return sum(value.nbytes for value in state.as_dict(packed=True).values() if isinstance(value, torch.Tensor))
-    scales = getattr(parameter, "SCB", None)
+    scales = getattr(holder, "SCB", None)
     return scales.nbytes if isinstance(scales, torch.Tensor) else 0
 
 
@@ -295,12 +301,12 @@ def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[i
                     distributed: bool = True) -> Strategy:
     """--deepspeed, --fsdp or DDP, from the flags, DDP with --device_map over this process's `gpus` or not; one
     process (train.py, not `distributed`): the plain strategy. Refused combinations were refused while parsing,
-    the bitsandbytes quantization of the base among them (--fsdp, ZeRO-3)."""
+    the bitsandbytes quantizations of the base that cannot be sharded among them (8-bit under --fsdp, ZeRO-3)."""
     quantization = quantization_settings(args)
     if getattr(args, "deepspeed", None):
         return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype, quantization)
     if getattr(args, "fsdp", None):
-        return FSDP(device, args.max_grad_norm, offload="offload" in args.fsdp.split())
+        return FSDP(device, args.max_grad_norm, offload="offload" in args.fsdp.split(), quantization=quantization)
     device_map = (None if args.device_map is None
                   else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
     return (DDP if distributed else Strategy)(device, args.max_grad_norm, device_map, quantization)
