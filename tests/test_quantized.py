@@ -24,6 +24,8 @@ from alpaca.model import load_base_model
 from alpaca.strategy import local_parameter_bytes
 
 NF4 = ["--load_in_4bit", "--dropout", "0"]  # FLAGS' dropout off: its streams differ between 1 and 2 processes
+SHARDED_ON_TWO = ["--fsdp", "--gradient_accumulation_steps", "2", "--gradient_checkpointing", "--num_sample_answers",
+                  "2", "--max_new_tokens", "4"]
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +45,57 @@ def qreft_runs(tiny_model, tiny_data, tmp_path_factory):
                                                           "--gradient_accumulation_steps", "2", *extra)])
         assert result.returncode == 0, result.stderr[-3000:]
     return root
+
+
+@pytest.fixture(scope="session")
+def sharded_qreft_runs(qreft_runs, tiny_model, tiny_data):
+    """`qreft_runs`' NF4 base sharded by --fsdp: on two ranks (x 2) with --gradient_checkpointing, ending with
+    sample answers, and on four (x 1) with --packing. Returns the launches' results by process count."""
+    results = {}
+    for nproc, extra in ((2, SHARDED_ON_TWO), (4, ["--fsdp", "--gradient_accumulation_steps", "1", "--packing"])):
+        results[nproc] = torchrun(nproc, ["train_multigpu.py", *flags(tiny_model, tiny_data,
+                                                                      qreft_runs / f"fsdp{nproc}", *NF4, *extra)])
+        assert results[nproc].returncode == 0, results[nproc].stderr[-3000:]
+    return results
+
+
+def test_fsdp_on_a_4bit_base_trains_the_model_of_one_process_and_of_ddp(qreft_runs, sharded_qreft_runs):
+    """Each rank quantizes each weight whole, as transformers does on one process, and keeps its rows: 2 and 4
+    ranks train one process's model on the same 4-bit base (the suite's tolerance; 4 packed), 2 ranks DDP's bit for
+    bit (the same sums over the same ranks); evaluation and sample answers run on the sharded base."""
+    assert_same_run(qreft_runs / "fsdp2", qreft_runs / "single")
+    assert_same_run(qreft_runs / "fsdp4", qreft_runs / "single")
+    assert_same_run(qreft_runs / "fsdp2", qreft_runs / "ddp", exact=True)
+    stdout = sharded_qreft_runs[2].stdout
+    assert "(4-bit nf4, computing in torch.float32)" in stdout and "sharded (FSDP)" in stdout
+    assert stdout.count("Instruction: ") == 2 and "REFT MODEL" in stdout
+
+
+def test_fsdp_holds_a_shrinking_share_of_the_4bit_base_per_rank(qreft_runs, sharded_qreft_runs):
+    """Per rank, the 4-bit base's bytes (its rows of each packed weight, the unquantized tensors' rows, and every
+    quantized weight's constants, which bitsandbytes keeps whole): at most 0.6 of DDP's whole 4-bit copy on two
+    ranks, 0.35 on four."""
+    def base_bytes(name):
+        return json.loads((qreft_runs / name / "training_args.json").read_text())["base_parameter_bytes_per_rank"]
+
+    assert base_bytes("fsdp2") <= 0.6 * base_bytes("ddp") and base_bytes("fsdp4") <= 0.35 * base_bytes("ddp")
+
+
+def test_a_resume_of_fsdp_on_a_4bit_base_is_bit_identical_and_its_output_answers(qreft_runs, sharded_qreft_runs,
+                                                                                tiny_model, tiny_data, tmp_path):
+    """From checkpoint-4 of the two-rank run, the same launch: the uninterrupted run bit for bit. Its output
+    answers through examples/generate.py on the 4-bit base."""
+    resumed = copy_as_killed(qreft_runs / "fsdp2", tmp_path / "resumed", last_checkpoint=4)
+    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, resumed, *NF4, *SHARDED_ON_TWO,
+                                                      "--resume_from_checkpoint", "auto")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 4" in result.stdout
+    assert_same_run(resumed, qreft_runs / "fsdp2", exact=True)
+    status, stdout, stderr = run_in_process("examples/generate.py", ["--reft_dir", resumed, "--instruction",
+                                                                     "Name three primary colors.",
+                                                                     "--max_new_tokens", "4", "--load_in_4bit"])
+    assert status == 0, stderr[-3000:]
+    assert "REFT MODEL" in stdout
 
 
 def test_one_process_ddp_and_zero2_train_the_same_model_on_a_4bit_base(qreft_runs):
@@ -172,10 +225,12 @@ def refused(script: str, argv: list, message: str) -> None:
      "--bnb_4bit_quant_type sets how --load_in_4bit quantizes the base; add --load_in_4bit, or drop it"),
     (["--load_in_8bit", "--bnb_4bit_use_double_quant"],
      "--bnb_4bit_use_double_quant sets how --load_in_4bit quantizes the base; add --load_in_4bit, or drop it"),
-    (["--load_in_4bit", "--fsdp"],
-     "--load_in_4bit and --fsdp do not combine: FSDP2 shards plain tensors and would drop bitsandbytes' "
-     "quantization state; use DDP (each rank its own quantized copy), --device_map, or --fsdp on an unquantized "
-     "base (docs/big-models.md)"),
+    (["--load_in_8bit", "--fsdp"],
+     "--load_in_8bit and --fsdp do not combine: bitsandbytes keeps an 8-bit weight's row scales on the weight, "
+     "which FSDP2's gathered weight loses; use --load_in_4bit with --fsdp, or DDP (docs/big-models.md)"),
+    (["--load_in_4bit", "--fsdp", "full_shard offload"],
+     "--load_in_4bit with --fsdp offload: the shards would sit in CPU memory and their quantization constants with "
+     "them, not on the GPU that computes; drop 'offload' (docs/big-models.md)"),
     (["--load_in_8bit", "--deepspeed", "examples/deepspeed/zero3.json"],
      "--load_in_8bit and ZeRO-3 do not combine: ZeRO-3 partitions the base's weights, which bitsandbytes keeps "
      "quantized as whole tensors; use ZeRO-1/2 (examples/deepspeed/zero2.json) or DDP (docs/big-models.md)"),
