@@ -4,6 +4,9 @@ the model transformers loads whole, in one process.
 
     torchrun --nproc_per_node N tests/sharded_load.py MODEL_DIR [MODEL_DIR ...]
 
+Under --fsdp also a 4-bit (NF4, double-quantized) base against the model transformers quantizes whole: the
+gathered packed bytes, each layer's quantization constants and the logits.
+
 Checks: every parameter (gathered) and buffer equals the whole model's, tied parameters are still one
 parameter, nothing is left on the meta device, and the sharded (gathered) forward gives the whole model's
 logits. Under ZeRO-3, each parameter is this rank's partition alone once loaded, and the rank has read from
@@ -28,9 +31,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from alpaca.deepspeed import partition_base, start  # noqa: E402
 from alpaca.distributed import releasing_process_group  # noqa: E402
-from alpaca.model import build_reft_model  # noqa: E402
-from alpaca.sharding import empty_base_model, load_shards  # noqa: E402
+from alpaca.model import build_reft_model, quantization_config  # noqa: E402
+from alpaca.sharding import empty_base_model, load_shards, quantize_empty_base  # noqa: E402
 from alpaca.strategy import shard_base_model  # noqa: E402
+from alpaca.workarounds import keep_4bit_layers_differentiable  # noqa: E402
 
 cpu = torch.device("cpu")
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -60,6 +64,35 @@ with releasing_process_group():
             torch.testing.assert_close(sharded(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=0, atol=0)
         if int(os.environ["RANK"]) == 0:
             print(f"ok: {dist.get_world_size()} ranks, tied={tied}")
+
+        # --fsdp --load_in_4bit: the gathered packed bytes and each layer's quantization constants are those of
+        # the model transformers quantizes whole; so are the logits
+        nf4 = quantization_config({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                   "bnb_4bit_use_double_quant": True}, torch.float32)
+        whole_4bit = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=nf4,
+                                                          device_map={"": cpu})
+        sharded_4bit = empty_base_model(model_dir, torch.float32)
+        quantize_empty_base(sharded_4bit, nf4)
+        for model in (whole_4bit, sharded_4bit):
+            keep_4bit_layers_differentiable(model)  # the same kernel in both
+        build_reft_model(sharded_4bit, "1", (1, 1), False, low_rank_dimension=2)
+        shard_base_model(sharded_4bit, cpu)
+        load_shards(sharded_4bit, model_dir, cpu)
+        quantized = 0
+        for name, expected in whole_4bit.named_parameters():
+            torch.testing.assert_close(sharded_4bit.get_parameter(name).full_tensor(), expected.data, rtol=0, atol=0,
+                                       msg=name)
+            if hasattr(expected, "quant_state"):
+                quantized += 1
+                constants = sharded_4bit.get_submodule(name.removesuffix(".weight")).quant_state.as_dict(packed=True)
+                for key, value in expected.quant_state.as_dict(packed=True).items():
+                    torch.testing.assert_close(constants[key], value, rtol=0, atol=0, msg=f"{name} {key}")
+        assert quantized == 7 * whole.config.num_hidden_layers, quantized
+        with torch.no_grad():
+            torch.testing.assert_close(sharded_4bit(input_ids=ids).logits, whole_4bit(input_ids=ids).logits, rtol=0,
+                                       atol=0)
+        if int(os.environ["RANK"]) == 0:
+            print(f"ok: 4-bit, {dist.get_world_size()} ranks, tied={tied}")
 
         # ZeRO-3: the persistence threshold at its "auto" value (10 x hidden): the norms stay whole in training,
         # and are partitioned at load like the rest.

@@ -126,7 +126,8 @@ def test_sharded_load_gives_the_checkpoints_weights(tmp_path):
     """--fsdp's load and ZeRO-3's on 3 ranks: built on meta, sharded (partitioned), each rank reading its slices
     of the safetensors file. The gathered weights, buffers and logits are those of the model loaded whole, with
     untied and with tied embeddings (which stay one parameter); every sharded dimension (301 vocabulary rows, 64
-    and 128 hidden) splits unevenly over 3 ranks, and so do ZeRO-3's flat partitions. A ZeRO-3 rank holds and
+    and 128 hidden) splits unevenly over 3 ranks, and so do ZeRO-3's flat partitions and a 4-bit base's packed
+    weights (its bytes and constants those transformers quantizes). A ZeRO-3 rank holds and
     has read only its partitions. (Two ranks load this way in every --fsdp and ZeRO-3 run of the tests.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -140,6 +141,7 @@ def test_sharded_load_gives_the_checkpoints_weights(tmp_path):
                           str(tmp_path / "tied-True")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ok: 3 ranks, tied=False" in result.stdout and "ok: 3 ranks, tied=True" in result.stdout
+    assert "ok: 4-bit, 3 ranks, tied=False" in result.stdout and "ok: 4-bit, 3 ranks, tied=True" in result.stdout
     assert "ok: ZeRO-3, 3 ranks, tied=False" in result.stdout and "ok: ZeRO-3, 3 ranks, tied=True" in result.stdout
 
 
