@@ -387,9 +387,9 @@ def validate_quantization(args: argparse.Namespace) -> None:
         raise UsageError(f"{quantized} with --fsdp offload: the shards would sit in CPU memory and their quantization "
                          "constants with them, not on the GPU that computes; drop 'offload' (docs/big-models.md)")
     if getattr(args, "deepspeed", None) and stage(args.deepspeed_config) == 3:
-        raise UsageError(f"{quantized} and ZeRO-3 do not combine: ZeRO-3 partitions the base's weights, which "
-                         "bitsandbytes keeps quantized as whole tensors; use ZeRO-1/2 (examples/deepspeed/zero2.json) "
-                         "or DDP (docs/big-models.md)")
+        raise UsageError(f"{quantized} and ZeRO-3 do not combine: these scripts shard a quantized base under --fsdp "
+                         "only; use --fsdp with --load_in_4bit, ZeRO-1/2 (examples/deepspeed/zero2.json) or DDP "
+                         "(docs/big-models.md)")
     if args.device_map is not None and (args.offload_folder is not None
                                         or isinstance(args.device_map, dict) and "disk" in args.device_map.values()):
         raise UsageError(f"{quantized} with --device_map: bitsandbytes cannot offload quantized layers to disk; "

@@ -1,11 +1,12 @@
 """Host memory per rank: DDP, --fsdp, --deepspeed ZeRO-2 and ZeRO-3, DDP with half the base offloaded to disk
-by --device_map ("disk"), and DDP on a bf16 base or a bitsandbytes-quantized one (QReFT: "nf4", "int8"), on 1, 2 and
-4 processes (CPU, gloo).
+by --device_map ("disk"), DDP on a bf16 base or a bitsandbytes-quantized one (QReFT: "nf4", "int8"), and --fsdp on
+the bf16 and the NF4 base ("fsdp_bf16", "fsdp_nf4"), on 1, 2 and 4 processes (CPU, gloo).
 
     python benchmarks/memory.py                                   # SmolLM2 and a random 0.49B model, all
     python benchmarks/memory.py --models smollm2 --nproc 2 --strategies ddp fsdp
     python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp disk
     python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp bf16 nf4 int8 --steps 8
+    python benchmarks/memory.py --models smollm2 --nproc 2 4 --strategies nf4 fsdp_nf4 fsdp_bf16
 
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
 runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
@@ -43,7 +44,9 @@ STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
               # disk; "disk_early": the layers before the first intervened one on disk (a JSON map, in `measure`)
               "disk": ["--device_map", "auto"], "disk_early": [],
               # DDP on a bf16 base; on a base bitsandbytes quantizes as it loads (computing in float32, as the others)
-              "bf16": ["--dtype", "bfloat16"], "nf4": ["--load_in_4bit"], "int8": ["--load_in_8bit"]}
+              "bf16": ["--dtype", "bfloat16"], "nf4": ["--load_in_4bit"], "int8": ["--load_in_8bit"],
+              # --fsdp on the bf16 base, and on the NF4 base (each rank its rows of the packed weights)
+              "fsdp_bf16": ["--fsdp", "--dtype", "bfloat16"], "fsdp_nf4": ["--fsdp", "--load_in_4bit"]}
 QUANTIZED = {"nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "int8": {"load_in_8bit": True}}
 # hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
 # in float32
@@ -213,6 +216,12 @@ def main() -> None:
                     print(f"{nproc:>9} {strategy:>8} | {cells('hwm'):>34} | {cells('anon'):>34} | "
                           f"{cells('params'):>28} | {rates}", flush=True)
                     rows.append(dict(model=model_name, nproc=nproc, strategy=strategy, one_copy=copy, ranks=ranks))
+            for nproc in args.nproc:  # the sharded 4-bit base against DDP's whole 4-bit copy per rank
+                held = {row["strategy"]: max(rank["params"] for rank in row["ranks"]) for row in rows
+                        if row["model"] == model_name and row["nproc"] == nproc}
+                if {"nf4", "fsdp_nf4"} <= held.keys():
+                    print(f"fsdp_nf4 on {nproc} processes: {held['fsdp_nf4'] / held['nf4']:.3f}x the base parameter "
+                          "bytes per rank of nf4 (DDP)", flush=True)
             for strategy in [name for name in QUANTIZED if name in args.strategies]:
                 print(f"{strategy}: {bytes_per_quantized_parameter(model_dir, strategy):.4f} bytes per quantized "
                       "parameter", flush=True)

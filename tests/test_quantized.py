@@ -232,8 +232,8 @@ def refused(script: str, argv: list, message: str) -> None:
      "--load_in_4bit with --fsdp offload: the shards would sit in CPU memory and their quantization constants with "
      "them, not on the GPU that computes; drop 'offload' (docs/big-models.md)"),
     (["--load_in_8bit", "--deepspeed", "examples/deepspeed/zero3.json"],
-     "--load_in_8bit and ZeRO-3 do not combine: ZeRO-3 partitions the base's weights, which bitsandbytes keeps "
-     "quantized as whole tensors; use ZeRO-1/2 (examples/deepspeed/zero2.json) or DDP (docs/big-models.md)"),
+     "--load_in_8bit and ZeRO-3 do not combine: these scripts shard a quantized base under --fsdp only; use --fsdp "
+     "with --load_in_4bit, ZeRO-1/2 (examples/deepspeed/zero2.json) or DDP (docs/big-models.md)"),
     (["--load_in_4bit", "--device_map", disk_map(), "--offload_folder", "offload"],
      "--load_in_4bit with --device_map: bitsandbytes cannot offload quantized layers to disk; place every module "
      "on a GPU or the CPU and drop --offload_folder (docs/big-models.md)"),
