@@ -24,7 +24,10 @@
 #      ZeRO-2, ZeRO-3 and ZeRO-3 offload, and a --device_map split of the model between cuda:0 and the CPU (and
 #      disk): weight and loss differences, and each run's tokens/s and peak device memory (its
 #      "Trained to step" line).
-# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6"; 1d when asked).
+#   7. a 4-bit NF4 base, bf16 compute: train.py --load_in_4bit against train_multigpu.py on 1 process with DDP and
+#      with --fsdp (the base built on meta, each weight quantized whole and its rows kept): weight and loss
+#      differences (the same bytes: within bf16's run-to-run noise), tokens/s and peak device memory.
+# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6 7"; 1d when asked).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
@@ -32,7 +35,7 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
                 || echo examples/data/alpaca_sample.json )}
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6} "
+SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6 7} "
 VARIANTS=${VARIANTS:-baseline,eager,compiled,packed,varlen}
 THROUGHPUT=($PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA"
             --num_examples "${NUM_EXAMPLES:-256}" --repeats 3)
@@ -140,9 +143,9 @@ if wants 5; then
   compare padded padded-again "${PACKED[@]/#/packed-}" || echo "(compare failed)"
 fi
 
+trained() { grep -h "Trained to step" || echo "(failed)"; }
 if wants 6; then
   section "6. bf16: DDP, --fsdp, ZeRO-2, ZeRO-3, ZeRO-3 offload (1 process), and train.py split by --device_map"
-  trained() { grep -h "Trained to step" || echo "(failed)"; }
   timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16" | trained
   timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16-again" | trained
   timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/bf16-ddp" 2>&1 | trained
@@ -160,5 +163,14 @@ else 0 for i in range(30)}, 'model.norm': 0, 'model.rotary_emb': 0, 'lm_head': 0
       --output_dir "$OUT/bf16-disk-split" 2>&1 | trained
   compare bf16 bf16-again bf16-ddp bf16-fsdp bf16-zero2 bf16-zero3 bf16-zero3_offload bf16-cpu-split \
       bf16-disk-split || echo "(compare failed)"
+fi
+
+if wants 7; then
+  section "7. a 4-bit NF4 base, bf16 compute: train.py, DDP and --fsdp (1 process)"
+  timeout 40 $PYTHON train.py "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4" | trained
+  timeout 40 $PYTHON train.py "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4-again" | trained
+  timeout 50 "${ONE_PROCESS[@]}" "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4-ddp" 2>&1 | trained
+  timeout 50 "${ONE_PROCESS[@]}" "${COMMON[@]}" --load_in_4bit --fsdp --output_dir "$OUT/nf4-fsdp" 2>&1 | trained
+  compare nf4 nf4-again nf4-ddp nf4-fsdp || echo "(compare failed)"
 fi
 echo; echo "done ($(date +%T)); outputs in $OUT"
