@@ -127,7 +127,8 @@ class DDP(Strategy):
 class FSDP(Strategy):
     """FSDP2 over the frozen base: built on the meta device, sharded, then each rank reads only its shards from
     the safetensors files (alpaca.sharding). The interventions stay replicated; their gradients are averaged
-    by one all-reduce a step (`average_gradients`). `offload`: the shards stay in CPU memory (CUDA only)."""
+    by one all-reduce a step (`average_gradients`). `offload`: the shards stay in CPU memory (CUDA only).
+    `quantization` (4-bit): each rank holds its rows of the packed weights (alpaca.sharding.quantize_empty_base)."""
 
     layout = "sharded (FSDP)"
     shards_base = True
