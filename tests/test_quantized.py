@@ -1,9 +1,8 @@
 """A bitsandbytes-quantized frozen base (QReFT: --load_in_4bit, --load_in_8bit). On the same 4-bit base one process,
 two DDP ranks (with --gradient_checkpointing), two ZeRO-2 ranks and two and four --fsdp ranks (the 4-bit base sharded)
-train the same model; an 8-bit base trains packed
-under a device map; a resume is bit-identical and bound to the quantization; the output loads onto the quantized and
-the full-precision base (ours, examples/generate.py, pyreft's loader); what cannot combine with a quantized base is
-refused in one line before any weight loads."""
+train the same model; an 8-bit base trains packed under a device map; a resume is bit-identical and bound to the
+quantization; the output loads onto the quantized and the full-precision base (ours, examples/generate.py, pyreft's
+loader); what cannot combine with a quantized base is refused in one line before any weight loads."""
 
 import json
 
