@@ -68,15 +68,15 @@ def generate_batch(reft_model, prompts: list[list[int]], pad_token_id: int, posi
     return output
 
 
-def new_tokens(row: torch.Tensor, eos_token_id: int) -> tuple[list[int], bool]:
+def new_tokens(row: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, bool]:
     """A row of generated tokens up to its first eos, and whether it has none (cut at --max_new_tokens)."""
-    tokens = row.tolist()
-    return (tokens[: tokens.index(eos_token_id)], False) if eos_token_id in tokens else (tokens, True)
+    eos = (row == eos_token_id).nonzero()
+    return (row[: int(eos[0])], False) if len(eos) else (row, True)
 
 
 def decode_answers(tokenizer, sequences: torch.Tensor) -> list[tuple[str, int, bool]]:
     """(answer text, its tokens, whether it was cut at --max_new_tokens) of each generated row."""
-    rows = [new_tokens(row, tokenizer.eos_token_id) for row in sequences]
+    rows = [new_tokens(row.cpu(), tokenizer.eos_token_id) for row in sequences]
     return [(tokenizer.decode(tokens, skip_special_tokens=True).strip(), len(tokens), cut) for tokens, cut in rows]
 
 

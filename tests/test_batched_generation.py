@@ -37,8 +37,9 @@ def test_a_left_padded_batch_answers_as_each_prompt_alone(runs, tiny_tied_model)
     batched = generated(torch.float32, prompts)
     for row, prompt in enumerate(prompts):
         alone, truth = generated(torch.float32, [prompt]), generated(torch.float64, [prompt])
-        assert new_tokens(batched.sequences[row], tokenizer.eos_token_id) == new_tokens(alone.sequences[0],
-                                                                                        tokenizer.eos_token_id), row
+        (tokens, cut), (alone_tokens, alone_cut) = (new_tokens(sequences, tokenizer.eos_token_id)
+                                                    for sequences in (batched.sequences[row], alone.sequences[0]))
+        assert torch.equal(tokens, alone_tokens) and cut == alone_cut, row
         assert_within_rounding([batched.logits[0][row]], [alone.logits[0][0]], [truth.logits[0][0]])
     # the interventions act: without them the first row answers otherwise
     plain = generate_batch(models[torch.float32], prompts[:1], tokenizer.pad_token_id, POSITION, False, LAYERS,
