@@ -94,6 +94,8 @@ def validate_generation(args: argparse.Namespace) -> None:
             raise UsageError(f"--{given} applies to a file of answers; add --output_file FILE")
     elif args.compare:
         raise UsageError("--compare prints two runs side by side; write each run's --output_file instead")
+    elif not args.instructions_file:
+        raise UsageError("--output_file needs --instructions_file: the records to answer")
     if args.per_device_batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--per_device_batch_size and --max_new_tokens must be 1 or more")
     if not args.do_sample and (args.temperature is not None or args.top_p is not None):
@@ -104,6 +106,7 @@ if __name__ == "__main__":  # --help and usage errors answer here, before the he
     ARGS = parse_args()
 
 import datetime
+import hashlib
 import json
 import os
 import socket
@@ -156,19 +159,23 @@ def read_instructions(path: str) -> list[dict]:
     """The records of --instructions_file, in order, as {instruction, input, dataset}: `instruction` a string or
     a conversation (its messages). Read as training reads its records (.json/.jsonl); other files hold one
     instruction a line."""
-    if not path.endswith((".json", ".jsonl")):
-        return [{"instruction": line.strip()} for line in Path(path).read_text().splitlines() if line.strip()]
-    records = read_local_records(path, "--instructions_file")
+    if path.endswith((".json", ".jsonl")):
+        records = read_local_records(path, "--instructions_file")
+    else:
+        try:
+            records = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read --instructions_file {path!r}: {error}") from None
     conversations = [record for record in records if isinstance(record, dict) and CONVERSATION_FIELD in record]
     check_conversations(conversations, f"--instructions_file {path!r}", last_role="user")
     items = []
     for index, record in enumerate(records):
         if isinstance(record, str):
             record = {"instruction": record}
-        elif isinstance(record, dict) and CONVERSATION_FIELD in record:
-            record = {**record, "instruction": record[CONVERSATION_FIELD]}
-        if not (isinstance(record, dict) and isinstance(record.get("instruction"), (str, list))
-                and isinstance(record.get("input") or "", str)):
+        if isinstance(record, dict) and CONVERSATION_FIELD in record:
+            record = {**record, "instruction": record[CONVERSATION_FIELD], "input": ""}
+        elif not (isinstance(record, dict) and isinstance(record.get("instruction"), str)
+                  and isinstance(record.get("input") or "", str)):
             raise UsageError(f"record {index} of --instructions_file {path!r} is neither an instruction, a record "
                              "with a string 'instruction' (and optionally 'input') nor a 'messages' conversation")
         items.append({"instruction": record["instruction"], "input": record.get("input") or "",
@@ -272,11 +279,12 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
     if not is_main:
         quiet_non_main_rank()
     settings = run_checked(lambda: run_settings(args.reft_dir), participate=True, device=cpu)
-    items = run_checked(lambda: read_instructions_or_refuse(args), participate=True, device=cpu)
+    items = run_checked(lambda: read_instructions(args.instructions_file), participate=True, device=cpu)
     args.model_max_length = args.model_max_length or settings["model_max_length"]
     partial = Path(args.output_file + ".partial")
+    records = hashlib.sha256(json.dumps(items).encode()).hexdigest()
     decoding = {name: getattr(args, name) for name in DECODING} | {"reft_dir": str(Path(args.reft_dir).resolve()),
-                                                                     "records": len(items)}
+                                                                     "records_sha256": records}
     main_rank_result(lambda: prepare_partial(partial, decoding, args.resume), is_main, cpu)
     model, tokenizer, device_map = load_models(args, settings, host, gpus)
     reft_model = load_reft_model(args.reft_dir, model)
@@ -334,12 +342,6 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
                 "prompts_cut": cut, "generator": generator}
     run_checked(lambda: write_answers(args.output_file, items, [done, *gathered], generator, metadata, partial),
                 participate=is_main, device=cpu)
-
-
-def read_instructions_or_refuse(args) -> list[dict]:
-    if not args.instructions_file:
-        raise UsageError("--output_file needs --instructions_file: the records to answer")
-    return read_instructions(args.instructions_file)
 
 
 def batch_plan(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -414,6 +416,10 @@ def write_answers(output_file: str, items: list[dict], parts: list[dict], genera
     print(f"{stats['answers']} answers in {output}: {stats['mean_characters']:.0f} characters and "
           f"{stats['mean_tokens']:.1f} tokens on average, {stats['empty']} empty, {stats['cut_at_max_new_tokens']} "
           f"cut at --max_new_tokens {metadata['max_new_tokens']} (settings and summary: {summary_path(output)}).")
+    repeated = len(rows) - len({row["instruction"] for row in rows})
+    if repeated:
+        print(f"{repeated} instruction(s) appear more than once: alpaca_eval joins answers to the reference on the "
+              "instruction alone and pairs those wrongly; make each instruction unique (fold the input into it)")
     print("Score them against a reference file with the same instructions (AlpacaEval 1.0, the LoReFT paper's "
           "setting; needs OPENAI_API_KEY; docs/training.md#evaluating-answers-to-score):\n"
           f"  IS_ALPACA_EVAL_2=False alpaca_eval --model_outputs {output} --reference_outputs REFERENCE.json")

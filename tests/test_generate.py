@@ -112,9 +112,15 @@ def test_generate_with_layers_on_disk_answers_the_one_device_tokens(runs, tiny_t
     (["--device_map", '{"": 0}'], "--device_map: GPU 0 is not there: this process has no GPU"),
     (["--device_map", "{model: cpu}"], "--device_map '{model: cpu}' is neither one of auto, balanced"),
     (["--device_map", '{"": "disk"}'], "--device_map puts modules on 'disk': add --offload_folder DIR"),
+    (["--resume"], "--resume applies to a file of answers; add --output_file FILE"),
+    (["--output_file", "a.json"], "--output_file needs --instructions_file: the records to answer"),
+    (["--output_file", "a.json", "--compare", "b"], "--compare prints two runs side by side; write each run's"),
+    (["--temperature", "0.7"], "--temperature and --top_p apply to sampling; add --do_sample"),
+    (["--instructions_file", str(REPO / "README.md") + ".json"], "cannot read --instructions_file"),
 ])
-def test_generate_refuses_a_bad_device_map_in_one_line(runs, placement, message):
-    """The checks of training (tests/test_bad_input.py has them all): one line, exit 2, no traceback."""
+def test_generate_refuses_bad_flags_in_one_line(runs, placement, message):
+    """The device map's checks of training (tests/test_bad_input.py has them all) and those of the answers file:
+    one line, exit 2, no traceback."""
     root, _ = runs
     status, _, stderr = run_in_process(GENERATE, ["--reft_dir", root / "single", *placement])
     assert status == 2, stderr[-3000:]
