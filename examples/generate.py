@@ -3,7 +3,7 @@ or the base model's and the ReFT model's side by side (or two trained runs': --c
 
     python examples/generate.py --reft_dir out --instructions_file eval.json --output_file answers.json
     torchrun --nproc_per_node 8 examples/generate.py --reft_dir out --instructions_file eval.json \\
-        --output_file answers.json --per_device_batch_size 32          # the same file, 8 times as fast
+        --output_file answers.json --per_device_batch_size 32          # the same file, from 8 GPUs
     python examples/generate.py ... --output_file answers.json --resume  # after a kill: the answers left
     python examples/generate.py --reft_dir out --instructions_file eval.json --output_file base.json --base
     python examples/generate.py --reft_dir output                        # side by side, 3 held-out instructions
