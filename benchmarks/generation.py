@@ -12,6 +12,8 @@ from its start to its exit (imports and the model's load included, as a user wai
                  through pyvene's generate, the interventions on its prompt, the KV cache after it
   batch B        python examples/generate.py --output_file ... --per_device_batch_size B
 Without --reft_dir, a run of 2 training steps is made first (its interventions' values do not change the time).
+On a CPU that other jobs share, run it with OMP_NUM_THREADS=1 (as torchrun runs each process): OpenMP threads
+that wait for each other on busy cores make every variant several times slower, and the figures noise.
 """
 
 from __future__ import annotations
