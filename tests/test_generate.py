@@ -1,4 +1,4 @@
-"""examples/generate.py: base vs ReFT answers of a trained run, and two runs compared."""
+"""examples/generate.py: base vs ReFT answers of a trained run, two runs compared, and a file of answers to score."""
 
 import json
 import shutil
