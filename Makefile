@@ -10,7 +10,7 @@ ARGS ?=
 # of other CPUs.
 EQUIVALENCE := tests/test_multigpu.py tests/test_fsdp.py tests/test_deepspeed.py tests/test_loss.py \
 	tests/test_device_map.py tests/test_adapting.py tests/test_conversations.py tests/test_eval.py \
-	tests/test_quantized.py
+	tests/test_quantized.py tests/test_batched_generation.py
 # A CPU without AVX-512 (older Intel, many laptops), as torch, oneDNN and MKL run on it.
 AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # An AVX-512 CPU with bf16 instructions but no AMX (AMD EPYC): what oneDNN runs bf16 with there. Only where the

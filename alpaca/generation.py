@@ -1,4 +1,5 @@
-"""Greedy answers of the base model and of the ReFT model, and a side-by-side view of them."""
+"""Answers of the base model and of a ReFT model: in left-padded batches with each row's interventions where
+training puts them, a side-by-side view of them, and what can be said of a file of answers without a judge."""
 
 from __future__ import annotations
 
@@ -20,29 +21,91 @@ SAMPLE_INSTRUCTIONS = [
 ]
 
 
+def prompt_ids(tokenizer, instructions: list, inputs: list[str], prompt_template: str,
+               model_max_length: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """The token ids of each prompt rendered and encoded as in training (an instruction, or a conversation whose
+    last message is the user's), cut to its first `model_max_length` tokens as training cuts an example; and
+    the indices of the prompts cut."""
+    texts = [render_prompt(tokenizer, instruction, input, prompt_template)
+             for instruction, input in zip(instructions, inputs)]
+    ids = encode_prompts(tokenizer, texts, prompt_template)["input_ids"]
+    cut = [index for index, row in enumerate(ids) if model_max_length is not None and len(row) > model_max_length]
+    return [row[:model_max_length] if model_max_length else row for row in ids], cut
+
+
 @torch.no_grad()
+def generate_batch(reft_model, prompts: list[list[int]], pad_token_id: int, position: tuple[int, int],
+                   share_weights: bool, num_layers: int, intervene: bool = True, **settings):
+    """transformers' generate output (`settings`: its arguments) for prompts left-padded into one batch; its
+    `sequences` hold the new tokens only. With `intervene` the interventions act on each prompt's forward, at
+    the positions training uses for that prompt, moved right by the row's padding (never found by a token
+    search, which a pad id equal to BOS breaks); later tokens come from the KV cache, as in pyvene's generate.
+
+    A row whose prompt is too short for every intervened position fills the missing ones with column 0: one
+    column more is padded so that column 0 is padding in every row, which no real token attends to."""
+    first_n, last_n = position
+    lengths = [len(row) for row in prompts]
+    short = len(prompts) > 1 and min(lengths) < first_n + last_n
+    width = max(lengths) + short
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    device = input_device(reft_model.model)
+    batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+    settings = dict(pad_token_id=pad_token_id, return_dict_in_generate=True, **settings)
+    set_train_mode(reft_model, False)
+    if intervene:
+        locations = intervention_locations(lengths, position, share_weights, num_layers,
+                                           pad_position=0 if short else None,
+                                           offsets=[width - length for length in lengths])
+        _, output = reft_model.generate(batch, unit_locations={"sources->base": (None, locations)},
+                                        intervene_on_prompt=True, **settings)
+    else:
+        output = reft_model.model.generate(**batch, **settings)
+    output.sequences = output.sequences[:, width:]
+    return output
+
+
+def new_tokens(row: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, bool]:
+    """A row of generated tokens up to its first eos, and whether it has none (cut at --max_new_tokens)."""
+    eos = (row == eos_token_id).nonzero()
+    return (row[: int(eos[0])], False) if len(eos) else (row, True)
+
+
+def decode_answers(tokenizer, sequences: torch.Tensor) -> list[tuple[str, int, bool]]:
+    """(answer text, its tokens, whether it was cut at --max_new_tokens) of each generated row."""
+    rows = [new_tokens(row.cpu(), tokenizer.eos_token_id) for row in sequences]
+    return [(tokenizer.decode(tokens, skip_special_tokens=True).strip(), len(tokens), cut) for tokens, cut in rows]
+
+
 def answer(reft_model, tokenizer, instruction: str | list[dict[str, str]], position: tuple[int, int],
            share_weights: bool, num_layers: int, max_new_tokens: int = 96, input: str = "",
            prompt_template: str = "alpaca", synced_ranks: bool = False) -> tuple[str, str]:
     """(base answer, ReFT answer) to an instruction, or to a conversation (its messages, the last the user's)
-    under the chat template. The prompt is rendered as in training (`prompt_template`), and the interventions
-    act on its positions only."""
-    device = input_device(reft_model.model)
-    text = render_prompt(tokenizer, instruction, input, prompt_template)
-    prompt = encode_prompts(tokenizer, [text], prompt_template, return_tensors="pt").to(device)
-    prompt_length = prompt["input_ids"].shape[1]
-    # A sharded base (FSDP, ZeRO-3) gathers its weights in every forward: with `synced_ranks` a rank that meets
-    # EOS first keeps running forwards until all have, instead of leaving the others waiting in a gather.
+    under the chat template, greedy. A sharded base (FSDP, ZeRO-3) gathers its weights in every forward: with
+    `synced_ranks` a rank that meets EOS first keeps running forwards until all have, instead of leaving the
+    others waiting in a gather."""
+    prompts, _ = prompt_ids(tokenizer, [instruction], [input], prompt_template)
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_ranks)
-    set_train_mode(reft_model, False)
-    base_ids = reft_model.model.generate(**prompt, **settings)
-    locations = intervention_locations([prompt_length], position, share_weights, num_layers, pad_position=None)
-    _, reft_ids = reft_model.generate(
-        dict(prompt), unit_locations={"sources->base": (None, locations)}, intervene_on_prompt=True, **settings
-    )
-    decode = lambda ids: tokenizer.decode(ids[0, prompt_length:], skip_special_tokens=True).strip()  # noqa: E731
-    return decode(base_ids), decode(reft_ids)
+                    synced_gpus=synced_ranks)
+    base, reft = (decode_answers(tokenizer, generate_batch(reft_model, prompts, tokenizer.pad_token_id, position,
+                                                           share_weights, num_layers, intervene,
+                                                           **settings).sequences)[0][0]
+                  for intervene in (False, True))
+    return base, reft
+
+
+def summary(answers: list[tuple[str, int, bool]]) -> dict:
+    """What can be said of answers without a judge: how many, their mean length in characters and tokens, how
+    many are empty and how many were cut at --max_new_tokens."""
+    count = len(answers)
+    return {"answers": count,
+            "mean_characters": sum(len(text) for text, _, _ in answers) / max(count, 1),
+            "mean_tokens": sum(tokens for _, tokens, _ in answers) / max(count, 1),
+            "empty": sum(not text for text, _, _ in answers),
+            "cut_at_max_new_tokens": sum(cut for _, _, cut in answers)}
 
 
 def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int,

@@ -1,22 +1,29 @@
-"""Answers of the base model and of a trained ReFT model side by side (or of two trained runs: --compare).
+"""Answers of a trained ReFT model: a file of them to score (AlpacaEval's format), batched, on 1 or N processes;
+or the base model's and the ReFT model's side by side (or two trained runs': --compare) for a few instructions.
 
-    python examples/generate.py --reft_dir output
+    python examples/generate.py --reft_dir out --instructions_file eval.json --output_file answers.json
+    torchrun --nproc_per_node 8 examples/generate.py --reft_dir out --instructions_file eval.json \\
+        --output_file answers.json --per_device_batch_size 32          # the same file, from 8 GPUs
+    python examples/generate.py ... --output_file answers.json --resume  # after a kill: the answers left
+    python examples/generate.py --reft_dir out --instructions_file eval.json --output_file base.json --base
+    python examples/generate.py --reft_dir output                        # side by side, 3 held-out instructions
     python examples/generate.py --reft_dir out --instruction "Name three primary colors." --max_new_tokens 64
     python examples/generate.py --reft_dir single_gpu_run --compare multi_gpu_run --instructions_file prompts.txt
     python examples/generate.py --reft_dir chat_run --conversations_file chats.jsonl   # --prompt_template chat runs
     python examples/generate.py --reft_dir big_run --device_map auto --offload_folder offload   # a base > one GPU
     python examples/generate.py --reft_dir qreft_run --load_in_4bit     # on a 4-bit base, as it trained (QReFT)
 
-The base model (unless given), the intervention positions and the prompt template come from the run's
-training_args.json. Greedy decoding; the interventions act on the prompt's positions, as in training.
---device_map, --max_memory and --offload_folder place the base as in training (over every visible GPU, the CPU
-and disk; docs/big-models.md), each intervention on its layer's device; the answers are those of one device.
---load_in_4bit and --load_in_8bit quantize the base as it loads (bitsandbytes), as training's flags do: a run
-trained on a quantized base answers on it, or on the full-precision base without them, and so does any other.
+The base model (unless given), the intervention positions, the prompt template and --model_max_length come from
+the run's training_args.json; the interventions act on the prompt's positions, as in training. Greedy unless
+--do_sample. --instructions_file: Alpaca records (instruction, optional input), `messages` conversations ending
+with the user's turn, or a JSON list of instructions, as .json/.jsonl; any other file: one instruction a line.
+With --output_file every process answers its share in left-padded batches (the same batches on 1 and N
+processes), appending them to OUTPUT.partial/ as they finish; process 0 writes the answers in input order and
+OUTPUT's summary (.summary.json). --device_map, --max_memory and --offload_folder place the base as in training
+(docs/big-models.md); --load_in_4bit and --load_in_8bit quantize it as it loads, as training's flags do.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -43,35 +50,88 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare", default=None, help="a second output_dir: its answers replace the base's")
     parser.add_argument("--model_name_or_path", default=None, help="default: the one the run trained on")
     parser.add_argument("--instruction", action="append", default=[], help="repeatable")
-    parser.add_argument("--instructions_file", default=None, help="one instruction per line")
+    parser.add_argument("--instructions_file", default=None,
+                        help="records to answer: .json/.jsonl of Alpaca records, conversations or instructions; "
+                             "else one instruction per line")
     parser.add_argument("--conversations_file", default=None,
                         help="conversations to continue (a run trained with --prompt_template chat): .json/.jsonl "
                              "records of 'messages', each ending with the user's turn")
     parser.add_argument("--max_new_tokens", type=int, default=96)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    scoring = parser.add_argument_group("a file of answers to score (AlpacaEval's format)")
+    scoring.add_argument("--output_file", default=None, help="write the answers here, as a JSON list")
+    scoring.add_argument("--per_device_batch_size", type=int, default=8, help="prompts a batch, on each process")
+    scoring.add_argument("--base", action="store_true", help="the base model's answers (no interventions)")
+    scoring.add_argument("--generator_name", default=None,
+                         help="the answers' `generator` (default: the run directory's name, + '-base' with --base)")
+    scoring.add_argument("--resume", action="store_true", help="answer only what OUTPUT.partial/ lacks")
+    scoring.add_argument("--model_max_length", type=int, default=None,
+                         help="longer prompts are cut, as in training (default: the run's)")
+    decoding = parser.add_argument_group("decoding (greedy by default)")
+    decoding.add_argument("--repetition_penalty", type=float, default=None)
+    decoding.add_argument("--no_repeat_ngram_size", type=int, default=None)
+    decoding.add_argument("--do_sample", action="store_true")
+    decoding.add_argument("--temperature", type=float, default=None)
+    decoding.add_argument("--top_p", type=float, default=None)
+    decoding.add_argument("--seed", type=int, default=42,
+                          help="with --do_sample: the same answers on 1 and N processes")
     add_device_map_flags(parser.add_argument_group("placement, for a base one device cannot hold (as in training)"))
     add_quantization_flags(parser.add_argument_group("quantization of the base (as in training)"))
     args = parser.parse_args(argv)
     try:
         validate_quantization(args)
         validate_device_map(args)
+        validate_generation(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
     return args
 
 
+def validate_generation(args: argparse.Namespace) -> None:
+    if args.output_file is None:
+        given = next((flag for flag in ("base", "resume", "generator_name") if getattr(args, flag)), None)
+        if given:
+            raise UsageError(f"--{given} applies to a file of answers; add --output_file FILE")
+    elif args.compare:
+        raise UsageError("--compare prints two runs side by side; write each run's --output_file instead")
+    elif not args.instructions_file:
+        raise UsageError("--output_file needs --instructions_file: the records to answer")
+    if args.per_device_batch_size < 1 or args.max_new_tokens < 1:
+        raise UsageError("--per_device_batch_size and --max_new_tokens must be 1 or more")
+    if not args.do_sample and (args.temperature is not None or args.top_p is not None):
+        raise UsageError("--temperature and --top_p apply to sampling; add --do_sample")
+
+
 if __name__ == "__main__":  # --help and usage errors answer here, before the heavy imports below
     ARGS = parse_args()
 
+import datetime
+import hashlib
+import json
+import os
+import socket
+
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
+from alpaca.constants import CONVERSATION_FIELD
 from alpaca.data import check_conversations, read_local_records
-from alpaca.device_map import DeviceMap
-from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, side_by_side
+from alpaca.device_map import DeviceMap, gpu_group
+from alpaca.distributed import main_rank_result, releasing_process_group, run_checked
+from alpaca.generation import (
+    SAMPLE_INSTRUCTIONS,
+    answer,
+    decode_answers,
+    generate_batch,
+    prompt_ids,
+    side_by_side,
+    summary,
+)
 from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
-from alpaca.output import ARGS_FILE, load_reft_model
+from alpaca.output import ARGS_FILE, load_reft_model, quiet_non_main_rank
 
-RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_template")
+RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_template", "model_max_length")
 
 
 def run_settings(directory: str) -> dict:
@@ -95,32 +155,72 @@ def read_conversations(path: str) -> list[list[dict]]:
     return [record["messages"] for record in records]
 
 
+def read_instructions(path: str) -> list[dict]:
+    """The records of --instructions_file, in order, as {instruction, input, dataset}: `instruction` a string or
+    a conversation (its messages). Read as training reads its records (.json/.jsonl); other files hold one
+    instruction a line."""
+    if path.endswith((".json", ".jsonl")):
+        records = read_local_records(path, "--instructions_file")
+    else:
+        try:
+            records = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read --instructions_file {path!r}: {error}") from None
+    conversations = [record for record in records if isinstance(record, dict) and CONVERSATION_FIELD in record]
+    check_conversations(conversations, f"--instructions_file {path!r}", last_role="user")
+    items = []
+    for index, record in enumerate(records):
+        if isinstance(record, str):
+            record = {"instruction": record}
+        if isinstance(record, dict) and CONVERSATION_FIELD in record:
+            record = {**record, "instruction": record[CONVERSATION_FIELD], "input": ""}
+        elif not (isinstance(record, dict) and isinstance(record.get("instruction"), str)
+                  and isinstance(record.get("input") or "", str)):
+            raise UsageError(f"record {index} of --instructions_file {path!r} is neither an instruction, a record "
+                             "with a string 'instruction' (and optionally 'input') nor a 'messages' conversation")
+        items.append({"instruction": record["instruction"], "input": record.get("input") or "",
+                      "dataset": record.get("dataset") or Path(path).stem})
+    if not items:
+        raise UsageError(f"--instructions_file {path!r} holds no records")
+    return items
+
+
 def main(args: argparse.Namespace) -> None:
     try:
-        generate(args)
+        if args.output_file:
+            answer_file_in_process_group(args)
+        else:
+            generate(args)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
 
-def generate(args: argparse.Namespace) -> None:
-    runs = [args.reft_dir] + ([args.compare] if args.compare else [])
-    settings = [run_settings(run) for run in runs]
-    instructions = list(args.instruction)
-    if args.instructions_file:
-        instructions += [line.strip() for line in Path(args.instructions_file).read_text().splitlines() if line.strip()]
-    if args.conversations_file:
-        instructions += read_conversations(args.conversations_file)
-    instructions = instructions or SAMPLE_INSTRUCTIONS
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    # A device map spreads the base over every visible GPU (and the CPU, disk), as train.py's does.
-    gpus = list(range(torch.cuda.device_count()))
+def load_models(args, settings: dict, device: torch.device, gpus: list[int]):
+    """The base model (placed and quantized as the flags say) and its tokenizer, and the device map if any."""
+    # A device map spreads the base over the process's GPUs (and the CPU, disk), as train.py's does.
     device_map = (None if args.device_map is None
                   else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
-    model, tokenizer = load_base_model(args.model_name_or_path or settings[0]["model_name_or_path"],
+    model, tokenizer = load_base_model(args.model_name_or_path or settings["model_name_or_path"],
                                        resolve_dtype(args.dtype, device), device, device_map=device_map,
                                        quantization=quantization_settings(args))
     if device_map is not None:
         print(f"Base model on --device_map ({device_map.describe(model)})")
+    return model, tokenizer, device_map
+
+
+def generate(args: argparse.Namespace) -> None:
+    """The side-by-side view: each instruction's base and ReFT answers (or two runs' ReFT answers)."""
+    runs = [args.reft_dir] + ([args.compare] if args.compare else [])
+    settings = [run_settings(run) for run in runs]
+    items = [{"instruction": instruction, "input": ""} for instruction in args.instruction]
+    if args.instructions_file:
+        items += read_instructions(args.instructions_file)
+    if args.conversations_file:
+        items += [{"instruction": messages, "input": ""} for messages in read_conversations(args.conversations_file)]
+    items = items or [{"instruction": instruction, "input": ""} for instruction in SAMPLE_INSTRUCTIONS]
+    instructions = [item["instruction"] for item in items]
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, device_map = load_models(args, settings[0], device, list(range(torch.cuda.device_count())))
     answers = []
     for run, run_args in zip(runs, settings):
         reft_model = load_reft_model(run, model)
@@ -129,16 +229,204 @@ def generate(args: argparse.Namespace) -> None:
         position = parse_position(run_args["position"])
         num_layers = num_intervened_layers(reft_model, position, run_args["share_weights"])
         prompt_template = run_args["prompt_template"]
-        if args.conversations_file and prompt_template != "chat":
-            raise UsageError(f"--conversations_file: {run!r} was trained with --prompt_template {prompt_template}; "
+        if any(isinstance(i, list) for i in instructions) and prompt_template != "chat":
+            raise UsageError(f"conversations: {run!r} was trained with --prompt_template {prompt_template}; "
                              "conversations need a run trained with --prompt_template chat")
-        answers.append([answer(reft_model, tokenizer, instruction, position, run_args["share_weights"], num_layers,
-                               args.max_new_tokens, prompt_template=prompt_template) for instruction in instructions])
+        answers.append([answer(reft_model, tokenizer, item["instruction"], position, run_args["share_weights"],
+                               num_layers, args.max_new_tokens, item["input"], prompt_template) for item in items])
     if args.compare:
         rows = [(i, first[1], second[1]) for i, first, second in zip(instructions, *answers)]
         print(side_by_side(rows, headers=(args.reft_dir, args.compare)))
     else:
         print(side_by_side([(i, *pair) for i, pair in zip(instructions, answers[0])]))
+
+
+def answer_file_in_process_group(args: argparse.Namespace) -> None:
+    """This process's device, then the process group's life around answer_file (a world of one under python)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free_port = probe.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port))
+    local_rank, local_processes = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = []
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        gpus = gpu_group(local_rank, local_processes, count) if args.device_map is not None else [local_rank]
+        torch.cuda.set_device(gpus[0])
+    device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+    # Only Python objects travel between the processes (answers, indices): gloo, on the host, whatever the device.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    try:
+        with releasing_process_group():
+            answer_file(args, device, gpus)
+    finally:
+        dist.destroy_process_group()
+
+
+# What decides the answers, besides the run and the records: a resumed run must have the same.
+DECODING = ("model_name_or_path", "base", "dtype", "per_device_batch_size", "max_new_tokens", "model_max_length",
+            "repetition_penalty", "no_repeat_ngram_size", "do_sample", "temperature", "top_p", "seed",
+            "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+
+
+def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -> None:
+    """Every process: the records, the model and the batch plan; this process's share of the batches not yet
+    answered, each appended to the partial directory as it finishes; then process 0 writes the file."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_main, cpu = rank == 0, torch.device("cpu")
+    if not is_main:
+        quiet_non_main_rank()
+    settings = run_checked(lambda: run_settings(args.reft_dir), participate=True, device=cpu)
+    items = run_checked(lambda: read_instructions(args.instructions_file), participate=True, device=cpu)
+    args.model_max_length = args.model_max_length or settings["model_max_length"]
+    partial = Path(args.output_file + ".partial")
+    records = hashlib.sha256(json.dumps(items).encode()).hexdigest()
+    decoding = {name: getattr(args, name) for name in DECODING} | {"reft_dir": str(Path(args.reft_dir).resolve()),
+                                                                     "records_sha256": records}
+    main_rank_result(lambda: prepare_partial(partial, decoding, args.resume), is_main, cpu)
+    model, tokenizer, device_map = load_models(args, settings, host, gpus)
+    reft_model = load_reft_model(args.reft_dir, model)
+    if device_map is not None:
+        device_map.place(reft_model)
+    position = parse_position(settings["position"])
+    num_layers = num_intervened_layers(reft_model, position, settings["share_weights"])
+    if any(isinstance(item["instruction"], list) for item in items) and settings["prompt_template"] != "chat":
+        raise UsageError(f"--instructions_file holds conversations, but {args.reft_dir!r} was trained with "
+                         f"--prompt_template {settings['prompt_template']}; they need a run trained with chat")
+    prompts, cut = prompt_ids(tokenizer, [item["instruction"] for item in items], [item["input"] for item in items],
+                              settings["prompt_template"], args.model_max_length)
+    if cut and is_main:
+        print(f"Cut {len(cut)} prompt(s) to --model_max_length {args.model_max_length} tokens, as training cuts "
+              f"an example: record(s) {', '.join(map(str, cut[:10]))}{' ...' if len(cut) > 10 else ''}")
+    plan = batch_plan([len(ids) for ids in prompts], args.per_device_batch_size)
+
+    # -- what is left: the batches no process has finished (every process reads the partial files it sees) ----
+    seen = [None] * world_size
+    dist.all_gather_object(seen, read_partial(partial))
+    done = {index: record for records in seen for index, record in records.items()}
+    finished = {number for number, batch in enumerate(plan) if all(index in done for index in batch)}
+    done = {index: done[index] for number in finished for index in plan[number]}  # a batch cut by a kill: again
+    left = [number for number in range(len(plan)) if number not in finished]
+    share = left[rank * len(left) // world_size : (rank + 1) * len(left) // world_size]
+
+    # -- this process's share, longest prompts first -------------------------------------------------------
+    generation = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                      top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                      no_repeat_ngram_size=args.no_repeat_ngram_size, eos_token_id=tokenizer.eos_token_id)
+    generation = {name: value for name, value in generation.items() if value is not None}
+    progress = tqdm(total=sum(len(plan[number]) for number in share), desc=f"answering ({world_size} processes)",
+                    unit="answer", dynamic_ncols=True, disable=not is_main)
+    answered = {}
+    with open(partial / f"rank-{rank}.jsonl", "a", encoding="utf-8") as log:
+        for number in share:
+            torch.manual_seed(args.seed + number)  # sampling draws the same for a batch on 1 or N processes
+            output = generate_batch(reft_model, [prompts[index] for index in plan[number]], tokenizer.pad_token_id,
+                                    position, settings["share_weights"], num_layers, intervene=not args.base,
+                                    **generation)
+            batch = {index: {"output": text, "tokens": tokens, "cut": was_cut} for index, (text, tokens, was_cut)
+                     in zip(plan[number], decode_answers(tokenizer, output.sequences))}
+            log.write("".join(json.dumps({"index": index, **record}) + "\n" for index, record in batch.items()))
+            log.flush()
+            os.fsync(log.fileno())  # a kill loses at most the batch being written
+            answered.update(batch)
+            progress.update(len(batch))
+    progress.close()
+
+    # -- process 0 gathers every answer and writes the file in input order ----------------------------------
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, answered)
+    generator = args.generator_name or Path(args.reft_dir).resolve().name + ("-base" if args.base else "")
+    metadata = {**decoding, "base_dtype": str(model.dtype).removeprefix("torch."), "world_size": world_size,
+                "prompts_cut": cut, "generator": generator}
+    run_checked(lambda: write_answers(args.output_file, items, [done, *gathered], generator, metadata, partial),
+                participate=is_main, device=cpu)
+
+
+def batch_plan(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Every record's index in batches of `batch_size`, longest prompts first (the least padding; the largest
+    batch first, so a batch that does not fit fails at once). The plan does not depend on the number of
+    processes: each takes a contiguous run of its batches, so every batch, and every answer, is the same on 1
+    and N processes."""
+    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def prepare_partial(partial: Path, decoding: dict, resume: bool) -> None:
+    """OUTPUT.partial/: the answers of finished batches, one JSONL file a process, and the settings they were
+    made with, which a resumed run must share."""
+    settings_file = partial / "settings.json"
+    if partial.exists() and not resume:
+        raise UsageError(f"{partial} holds the answers of an unfinished run: add --resume to finish it, or remove "
+                         "the directory")
+    if resume and settings_file.exists():
+        saved = json.loads(settings_file.read_text())
+        differ = [name for name in decoding if saved.get(name) != decoding[name]]
+        if differ:
+            raise UsageError(f"--resume: {partial} was made with other settings ({', '.join(differ)}); run with "
+                             "the same flags, or remove it")
+    partial.mkdir(parents=True, exist_ok=True)
+    settings_file.write_text(json.dumps(decoding, indent=1))
+
+
+def read_partial(partial: Path) -> dict[int, dict]:
+    """The answers in the partial files this process sees, by record index; a line cut by a kill is skipped."""
+    answers = {}
+    for path in sorted(partial.glob("rank-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            answers[record.pop("index")] = record
+    return answers
+
+
+def write_answers(output_file: str, items: list[dict], parts: list[dict], generator: str, metadata: dict,
+                  partial: Path) -> None:
+    """Process 0: the answers in input order, each index exactly once, as AlpacaEval reads model outputs (a JSON
+    list of instruction, output, generator, dataset; input where the record has one), written atomically; the
+    metadata and summary beside it (.summary.json); then the partial directory goes."""
+    answers = {}
+    for part in parts:
+        for index, record in part.items():
+            if index in answers:
+                raise RuntimeError(f"record {index} was answered twice")
+            answers[index] = record
+    missing = sorted(set(range(len(items))) - set(answers))
+    if missing or len(answers) != len(items):
+        raise RuntimeError(f"{len(missing)} record(s) were not answered, the first {missing[:5]}")
+    rows = []
+    for index, item in enumerate(items):
+        instruction = item["instruction"]
+        text = instruction[-1]["content"] if isinstance(instruction, list) else instruction
+        rows.append({"instruction": text, **({"input": item["input"]} if item["input"] else {}),
+                     "output": answers[index]["output"], "generator": generator, "dataset": item["dataset"]})
+    stats = summary([(record["output"], record["tokens"], record["cut"]) for record in answers.values()])
+    output = Path(output_file)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for path, content in ((output, rows), (summary_path(output), {**metadata, "summary": stats})):
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+    for path in partial.iterdir():
+        path.unlink()
+    partial.rmdir()
+    print(f"{stats['answers']} answers in {output}: {stats['mean_characters']:.0f} characters and "
+          f"{stats['mean_tokens']:.1f} tokens on average, {stats['empty']} empty, {stats['cut_at_max_new_tokens']} "
+          f"cut at --max_new_tokens {metadata['max_new_tokens']} (settings and summary: {summary_path(output)}).")
+    repeated = len(rows) - len({row["instruction"] for row in rows})
+    if repeated:
+        print(f"{repeated} instruction(s) appear more than once: alpaca_eval joins answers to the reference on the "
+              "instruction alone and pairs those wrongly; make each instruction unique (fold the input into it)")
+    print("Score them against a reference file with the same instructions (AlpacaEval 1.0, the LoReFT paper's "
+          "setting; needs OPENAI_API_KEY; docs/training.md#evaluating-answers-to-score):\n"
+          f"  IS_ALPACA_EVAL_2=False alpaca_eval --model_outputs {output} --reference_outputs REFERENCE.json")
+
+
+def summary_path(output: Path) -> Path:
+    return output.with_name(output.stem + ".summary.json")
 
 
 if __name__ == "__main__":

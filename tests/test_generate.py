@@ -1,11 +1,23 @@
-"""examples/generate.py: base vs ReFT answers of a trained run, and two runs compared."""
+"""examples/generate.py: base vs ReFT answers of a trained run, two runs compared, and a file of answers to score."""
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAYERS, REPO, disk_map, run_in_process, run_script, training_flags
+from conftest import (
+    LAYERS,
+    REPO,
+    disk_map,
+    mixed_records,
+    one_thread,
+    run_in_process,
+    run_script,
+    torchrun,
+    training_flags,
+)
 
 from alpaca.data import render_prompt
 from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
@@ -100,9 +112,15 @@ def test_generate_with_layers_on_disk_answers_the_one_device_tokens(runs, tiny_t
     (["--device_map", '{"": 0}'], "--device_map: GPU 0 is not there: this process has no GPU"),
     (["--device_map", "{model: cpu}"], "--device_map '{model: cpu}' is neither one of auto, balanced"),
     (["--device_map", '{"": "disk"}'], "--device_map puts modules on 'disk': add --offload_folder DIR"),
+    (["--resume"], "--resume applies to a file of answers; add --output_file FILE"),
+    (["--output_file", "a.json"], "--output_file needs --instructions_file: the records to answer"),
+    (["--output_file", "a.json", "--compare", "b"], "--compare prints two runs side by side; write each run's"),
+    (["--temperature", "0.7"], "--temperature and --top_p apply to sampling; add --do_sample"),
+    (["--instructions_file", str(REPO / "README.md") + ".json"], "cannot read --instructions_file"),
 ])
-def test_generate_refuses_a_bad_device_map_in_one_line(runs, placement, message):
-    """The checks of training (tests/test_bad_input.py has them all): one line, exit 2, no traceback."""
+def test_generate_refuses_bad_flags_in_one_line(runs, placement, message):
+    """The device map's checks of training (tests/test_bad_input.py has them all) and those of the answers file:
+    one line, exit 2, no traceback."""
     root, _ = runs
     status, _, stderr = run_in_process(GENERATE, ["--reft_dir", root / "single", *placement])
     assert status == 2, stderr[-3000:]
@@ -157,3 +175,125 @@ def test_a_chat_trained_run_answers_with_the_chat_template(tiny_chat_model, tiny
     assert status == 0, stderr[-3000:]
     assert prompts == [f"<s><|im_start|>user\n{INSTRUCTIONS[0]}</s>\n<|im_start|>assistant\n"]
     assert f"Instruction: {INSTRUCTIONS[0]}" in stdout
+
+
+# -- a file of answers to score (--output_file) ------------------------------------------------------------------
+KILL = str(REPO / "tests" / "kill_at_batch.py")
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory):
+    """11 records to answer, in batches of 3 (4 batches, the last partial): held-out Alpaca records with and
+    without input, one with AlpacaEval's `dataset`, a bare instruction, and one longer than the run's
+    --model_max_length (512), which is cut. Each instruction once, as AlpacaEval joins answers on it."""
+    records = list({r["instruction"]: r for r in mixed_records()[21:]}.values())[:9]  # each instruction once
+    records[2] = {**records[2], "dataset": "helpful_base"}
+    records += ["Name a color.", {"instruction": "Repeat after me: " + "rain falls on the hills. " * 150}]
+    path = tmp_path_factory.mktemp("eval") / "eval.json"
+    path.write_text(json.dumps(records))
+    return path, records
+
+
+def answer_file(run_dir, eval_path, output, *extra) -> str:
+    status, stdout, stderr = run_in_process(GENERATE, ["--reft_dir", run_dir, "--instructions_file", eval_path,
+                                                       "--output_file", output, "--per_device_batch_size", "3",
+                                                       "--max_new_tokens", "6", "--dtype", "float32", *extra])
+    assert status == 0, stderr[-3000:]
+    return stdout
+
+
+def test_generate_writes_answers_to_score(runs, eval_file, tmp_path, monkeypatch):
+    """The file AlpacaEval reads, in input order (alpaca_eval's own loader and head-to-head join take it, with
+    the --base file as the reference); the long record cut and reported; the summary and settings beside it;
+    on a base with layers on disk (--device_map) the same answers; on a 4-bit base, every record answered."""
+    root, _ = runs
+    path, records = eval_file
+    stdout = answer_file(root / "single", path, tmp_path / "answers.json")
+    rows = json.loads((tmp_path / "answers.json").read_text())
+    assert [row["instruction"] for row in rows] == [r if isinstance(r, str) else r["instruction"] for r in records]
+    for row, record in zip(rows, records):
+        record = record if isinstance(record, dict) else {}
+        fields = {"instruction", "output", "generator", "dataset"} | ({"input"} if record.get("input") else set())
+        assert row.keys() == fields and row["generator"] == "single" and isinstance(row["output"], str)
+        assert row["dataset"] == record.get("dataset", "eval") and row.get("input") == (record.get("input") or None)
+    cut = f"Cut 1 prompt(s) to --model_max_length 512 tokens, as training cuts an example: record(s) {len(records) - 1}"
+    assert cut in stdout and "IS_ALPACA_EVAL_2=False alpaca_eval --model_outputs" in stdout
+    saved = json.loads((tmp_path / "answers.summary.json").read_text())
+    assert (saved["prompts_cut"], saved["per_device_batch_size"], saved["base_dtype"]) == ([len(records) - 1], 3,
+                                                                                            "float32")
+    assert saved["summary"]["answers"] == len(records) and saved["summary"]["mean_tokens"] > 0
+    assert not (tmp_path / "answers.json.partial").exists()
+
+    answer_file(root / "single", path, tmp_path / "base.json", "--base")
+    base_rows = json.loads((tmp_path / "base.json").read_text())
+    assert {row["generator"] for row in base_rows} == {"single-base"}
+    assert [row["output"] for row in base_rows] != [row["output"] for row in rows]
+    annotated = alpaca_eval_pairs(tmp_path / "base.json", tmp_path / "answers.json", monkeypatch)
+    assert sorted(annotated["output_2"]) == sorted(row["output"] for row in rows) and len(annotated) == len(rows)
+
+    stdout = answer_file(root / "single", path, tmp_path / "mapped.json", "--device_map", disk_map(),
+                         "--offload_folder", tmp_path / "offload")
+    assert "Base model on --device_map (cpu: 6 modules, disk: 2 modules)" in stdout
+    assert (tmp_path / "mapped.json").read_text() == (tmp_path / "answers.json").read_text()
+    answer_file(root / "single", path, tmp_path / "4bit.json", "--load_in_4bit")
+    assert len(json.loads((tmp_path / "4bit.json").read_text())) == len(records)
+    assert json.loads((tmp_path / "4bit.summary.json").read_text())["load_in_4bit"] is True
+
+
+def alpaca_eval_pairs(reference, model_outputs, monkeypatch):
+    """What AlpacaEval 1.0 (`IS_ALPACA_EVAL_2=False alpaca_eval --model_outputs ... --reference_outputs ...`) gives
+    its GPT-4 judge: both files read by its own loader, joined by its head-to-head annotator (the judge's call
+    replaced by the identity)."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("alpaca_eval") is None:
+        pytest.skip("alpaca_eval is not installed (requirements-dev.txt)")
+    try:
+        import pkg_resources  # noqa: F401
+    except ImportError:  # alpaca_eval 0.6.6 imports it (for version checks not used here); setuptools >= 81 has none
+        monkeypatch.setitem(sys.modules, "pkg_resources", types.ModuleType("pkg_resources"))
+    monkeypatch.setenv("IS_ALPACA_EVAL_2", "False")
+    from alpaca_eval import utils
+    from alpaca_eval.annotators import PairwiseAnnotator
+
+    monkeypatch.setattr(PairwiseAnnotator, "__call__", lambda self, pairs, **kwargs: pairs)
+    outputs = utils.load_or_convert_to_dataframe(model_outputs)
+    assert utils.get_generator_name(None, outputs) == json.loads(Path(model_outputs).read_text())[0]["generator"]
+    annotator = PairwiseAnnotator(annotators_config="alpaca_eval_gpt4")
+    return annotator.annotate_head2head(outputs_1=utils.load_or_convert_to_dataframe(reference), outputs_2=outputs)
+
+
+def test_two_processes_killed_and_resumed_write_one_process_s_file(runs, eval_file, tmp_path):
+    """Sampled answers (--do_sample, seeded): 2 processes, one killed after its first batch, then resumed, write
+    the file one process writes, byte for byte. The resumed run keeps the finished batches' answers (one is
+    marked to show it), skips a line cut by the kill, answers each record once, and refuses other settings."""
+    root, _ = runs
+    path, records = eval_file
+    sampling = ["--do_sample", "--temperature", "0.8", "--seed", "7"]
+    with one_thread():  # as torchrun runs each process
+        answer_file(root / "single", path, tmp_path / "one.json", *sampling)
+    flags = ["--reft_dir", str(root / "single"), "--instructions_file", str(path), "--output_file",
+             str(tmp_path / "two.json"), "--per_device_batch_size", "3", "--max_new_tokens", "6", "--dtype", "float32",
+             *sampling]
+    killed = torchrun(2, [KILL, *flags], env={"KILL_RANK": "1", "KILL_BATCH": "2"})
+    assert killed.returncode != 0 and not (tmp_path / "two.json").exists()
+    partial = tmp_path / "two.json.partial"
+    first = json.loads((partial / "rank-0.jsonl").read_text().splitlines()[0])
+    assert len((partial / "rank-0.jsonl").read_text().splitlines()) == 6  # rank 0: its 2 batches
+    assert len((partial / "rank-1.jsonl").read_text().splitlines()) == 3  # rank 1: 1 of its 2
+    lines = (partial / "rank-0.jsonl").read_text().splitlines()
+    lines[0] = json.dumps({**first, "output": "KEPT"})
+    (partial / "rank-0.jsonl").write_text("\n".join(lines) + "\n")
+    with open(partial / "rank-1.jsonl", "a") as log:
+        log.write('{"index": 0, "outp')  # a line a kill cut short
+    status, _, stderr = run_in_process(GENERATE, [*flags, "--resume", "--max_new_tokens", "7"])
+    assert status == 2 and "was made with other settings (max_new_tokens)" in stderr
+    resumed = torchrun(2, ["examples/generate.py", *flags, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert two[first["index"]]["output"] == "KEPT"
+    two[first["index"]]["output"] = one[first["index"]]["output"]
+    assert two == one and len(two) == len(records) and not partial.exists()
+    kept = json.dumps(one[first["index"]]["output"], ensure_ascii=False)
+    assert (tmp_path / "two.json").read_text().replace('"KEPT"', kept) == (tmp_path / "one.json").read_text()
