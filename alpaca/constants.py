@@ -47,6 +47,9 @@ RECORD_FIELDS = (*ALPACA_FIELDS, CONVERSATION_FIELD)
 SHAREGPT_FIELD = "conversations"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 # --data_format: the record formats, told from the records by default (alpaca.data.record_format).
-DATA_FORMATS = ("auto", "alpaca", "messages", "sharegpt")
-RECORD_FORMATS_ACCEPTED = ("Alpaca ('instruction', 'output', optional 'input'), OpenAI 'messages' (turns of 'role' "
-                           "and 'content') or ShareGPT 'conversations' (turns of 'from' and 'value')")
+RECORD_FORMATS = {
+    "alpaca": "Alpaca ('instruction', 'output', optional 'input')",
+    "messages": "OpenAI 'messages' (turns of 'role' and 'content')",
+    "sharegpt": "ShareGPT 'conversations' (turns of 'from' and 'value')",
+}
+DATA_FORMATS = ("auto", *RECORD_FORMATS)

@@ -3,12 +3,15 @@ split), their prompts, and their tokenization, cached on disk."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import csv
 import hashlib
+import importlib
 import inspect
 import json
 import sys
+import sysconfig
 from pathlib import Path
 
 import datasets
@@ -18,7 +21,7 @@ from alpaca.constants import (
     ALPACA_FIELDS,
     CONVERSATION_FIELD,
     RECORD_FIELDS,
-    RECORD_FORMATS_ACCEPTED,
+    RECORD_FORMATS,
     SHAREGPT_FIELD,
     SHAREGPT_ROLES,
 )
@@ -189,19 +192,18 @@ def record_format(dataset: datasets.Dataset, data_format: str, source: str) -> t
     columns and the first turn's keys (--data_format auto), or as forced."""
     columns = dataset.column_names
     conversations = next((column for column in (CONVERSATION_FIELD, SHAREGPT_FIELD) if column in columns), None)
-    if data_format == "alpaca" or data_format == "auto" and not conversations and "instruction" in columns:
-        return "alpaca", None
-    if conversations and data_format != "auto":
-        return data_format, conversations
-    if conversations:
+    if data_format == "auto" and conversations:
         first_turn = next((turns[0] for turns in dataset[conversations][:100] if isinstance(turns, list) and turns),
                           None)
-        sharegpt = isinstance(first_turn, dict) and first_turn.get("from") is not None
-        return "sharegpt" if sharegpt else "messages", conversations
-    raise UsageError(
-        f"{source} holds records with fields {', '.join(map(repr, columns))}, none of the formats accepted: "
-        f"{RECORD_FORMATS_ACCEPTED}; for other field names pass e.g. --field_map question=instruction,answer=output"
-        + (f", or {'a' if data_format == 'auto' else 'another'} --data_format" if data_format != "alpaca" else ""))
+        data_format = "sharegpt" if isinstance(first_turn, dict) and first_turn.get("from") is not None else "messages"
+    elif data_format == "auto" and "instruction" in columns:
+        data_format = "alpaca"
+    if "instruction" in columns if data_format == "alpaca" else data_format != "auto" and conversations:
+        return data_format, conversations
+    expected = (f"not {RECORD_FORMATS[data_format]} records (--data_format)" if data_format != "auto" else
+                f"none of the formats accepted: {', '.join(RECORD_FORMATS.values())}")
+    raise UsageError(f"{source} holds records with fields {', '.join(map(repr, columns))}, {expected}; for other "
+                     "field names pass e.g. --field_map question=instruction,answer=output")
 
 
 def as_message(turn, sharegpt: bool, where: str):
@@ -210,12 +212,12 @@ def as_message(turn, sharegpt: bool, where: str):
     check_conversations to name."""
     if not isinstance(turn, dict):
         return turn
-    if not sharegpt:
-        return {"role": turn.get("role"), "content": turn.get("content")}
-    if turn.get("from") not in SHAREGPT_ROLES:
+    if sharegpt and turn.get("from") not in SHAREGPT_ROLES:
         raise UsageError(f"{where}: a ShareGPT turn from {turn.get('from')!r}; the roles accepted are "
                          f"{', '.join(SHAREGPT_ROLES)}")
-    return {"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")}
+    message = ({"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")} if sharegpt
+               else {"role": turn.get("role"), "content": turn.get("content")})
+    return message if all(isinstance(value, str) for value in message.values()) else turn
 
 
 def canonical_records(dataset: datasets.Dataset, source: str, data_format: str = "auto") -> list[dict]:
@@ -378,13 +380,18 @@ def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "
 
 
 def tokenization_source() -> str:
-    """The source of this module and of every module of the package it takes a name from: all the code that
-    builds prompts and labels, a helper added in a copy included."""
-    package = __name__.partition(".")[0]
-    modules = {inspect.getmodule(value) for value in globals().values()} | {sys.modules[__name__]}
-    ours = sorted((module for module in modules if module and module.__name__.partition(".")[0] == package),
-                  key=lambda module: module.__name__)
-    return "".join(inspect.getsource(module) for module in ours)
+    """The source of this module and of every module it imports that is not installed (in the standard library
+    or site-packages): all the code that builds prompts and labels, a helper module a copy adds included."""
+    installed = tuple({str(Path(path).resolve()) for name, path in sysconfig.get_paths().items()
+                       if name in ("stdlib", "platstdlib", "purelib", "platlib")})
+    this = sys.modules[__name__]
+    tree = ast.parse(inspect.getsource(this))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules = [this] + [module for module in map(importlib.import_module, sorted(imported))
+                        if getattr(module, "__file__", None)
+                        and not str(Path(module.__file__).resolve()).startswith(installed)]
+    return "".join(inspect.getsource(module) for module in modules)
 
 
 def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_template: str) -> str:
