@@ -201,7 +201,8 @@ def record_format(dataset: datasets.Dataset, data_format: str, source: str) -> t
     if "instruction" in columns if data_format == "alpaca" else data_format != "auto" and conversations:
         return data_format, conversations
     expected = (f"not {RECORD_FORMATS[data_format]} records (--data_format)" if data_format != "auto" else
-                f"none of the formats accepted: {', '.join(RECORD_FORMATS.values())}")
+                f"none of the formats accepted: {', '.join(list(RECORD_FORMATS.values())[:-1])} or "
+                f"{list(RECORD_FORMATS.values())[-1]}")
     raise UsageError(f"{source} holds records with fields {', '.join(map(repr, columns))}, {expected}; for other "
                      "field names pass e.g. --field_map question=instruction,answer=output")
 
@@ -380,18 +381,19 @@ def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "
 
 
 def tokenization_source() -> str:
-    """The source of this module and of every module it imports that is not installed (in the standard library
-    or site-packages): all the code that builds prompts and labels, a helper module a copy adds included."""
+    """The source of this module and of every module it imports or takes a name from that is not installed (in
+    the standard library or site-packages): all the code that builds prompts and labels, a helper module a copy
+    adds included."""
     installed = tuple({str(Path(path).resolve()) for name, path in sysconfig.get_paths().items()
                        if name in ("stdlib", "platstdlib", "purelib", "platlib")})
     this = sys.modules[__name__]
     tree = ast.parse(inspect.getsource(this))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    modules = [this] + [module for module in map(importlib.import_module, sorted(imported))
-                        if getattr(module, "__file__", None)
-                        and not str(Path(module.__file__).resolve()).startswith(installed)]
-    return "".join(inspect.getsource(module) for module in modules)
+    modules = {this, *map(importlib.import_module, imported), *map(inspect.getmodule, globals().values())}
+    ours = [module for module in modules if getattr(module, "__file__", None)
+            and not str(Path(module.__file__).resolve()).startswith(installed)]
+    return "".join(inspect.getsource(module) for module in sorted(ours, key=lambda module: module.__name__))
 
 
 def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_template: str) -> str:

@@ -2,16 +2,19 @@
 the same records, fingerprint and run whatever their container; ShareGPT and OpenAI messages are the same
 conversations; what real files hold (nulls, CSV's text, a 'system' field) is read as meant."""
 
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import datasets
 import pandas
 import pytest
 import torch
-from conftest import intervention_weights, mixed_records, run_in_process, training_flags
+from conftest import REPO, intervention_weights, mixed_records, run_in_process, training_flags
 
-from alpaca.data import load_records, records_fingerprint
+from alpaca.data import load_records, load_splits, records_fingerprint
+from alpaca.errors import UsageError
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -104,3 +107,70 @@ def test_every_container_gives_the_same_records_fingerprint_and_run(tiny_model, 
     reference = runs.pop("json")
     for name, weights in runs.items():
         assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in weights), name
+
+
+def test_sharegpt_and_openai_messages_are_the_same_conversations(tmp_path):
+    """ShareGPT's human/gpt/system turns (or user/assistant), in JSON or in parquet's nested lists, a top-level
+    'system' field as a first system turn: the OpenAI messages they mean; --data_format forces a format, and one
+    the records do not have is refused in one line."""
+    messages = load_records(str(write_jsonl(tmp_path / "messages.jsonl", [{"messages": CONVERSATION}] * 2)))
+    sharegpt = [{"conversations": as_sharegpt(CONVERSATION)},
+                {"conversations": as_sharegpt(CONVERSATION[1:]), "system": CONVERSATION[0]["content"]}]
+    sharegpt[1]["conversations"][0]["from"] = "user"  # some files keep OpenAI's role names
+    pandas.DataFrame(sharegpt).to_parquet(tmp_path / "sharegpt.parquet")
+    for path in (write_jsonl(tmp_path / "sharegpt.jsonl", sharegpt), tmp_path / "sharegpt.parquet"):
+        records = load_records(str(path))
+        assert records.to_list() == messages.to_list() and records_fingerprint(records) == records_fingerprint(messages)
+    assert load_records(str(tmp_path / "sharegpt.jsonl"), data_format="sharegpt").to_list() == messages.to_list()
+    renamed = write_jsonl(tmp_path / "dialog.jsonl", [{"dialog": as_sharegpt(CONVERSATION)}] * 2)
+    assert load_records(str(renamed), field_map={"dialog": "messages"}).to_list() == messages.to_list()
+    with pytest.raises(UsageError, match=r"holds records with fields 'conversations', 'system', not Alpaca "
+                                         r"\('instruction', 'output', optional 'input'\) records \(--data_format\)"):
+        load_records(str(tmp_path / "sharegpt.jsonl"), data_format="alpaca")
+    with pytest.raises(UsageError, match=r"fields 'dialog', none of the formats accepted: Alpaca .*, OpenAI "
+                                         r"'messages' .* or ShareGPT 'conversations'"):
+        load_records(str(renamed))
+
+
+def test_a_split_of_a_dataset_dict_for_training_and_another_for_evaluation(tmp_path):
+    records = mixed_records()[:5]
+    splits = {"train": records[:3], "test": records[3:]}
+    datasets.DatasetDict({name: datasets.Dataset.from_list(part) for name, part in splits.items()}).save_to_disk(
+        tmp_path / "saved")
+    train, held_out = load_splits(str(tmp_path / "saved"), str(tmp_path / "saved"), eval_split="test")
+    assert train["instruction"] == [r["instruction"] for r in records[:3]]
+    assert held_out["instruction"] == [r["instruction"] for r in records[3:]]
+    with pytest.raises(UsageError, match="has several splits: its splits are 'train', 'test'; pick one with "
+                                         "--eval_data_split"):
+        load_splits(str(tmp_path / "saved"), str(tmp_path / "saved"))
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.mark.fast
+def test_the_tokenized_cache_key_covers_a_helper_module_a_copy_adds(tokenizer, tiny_data, tmp_path, monkeypatch):
+    """A copy of alpaca/data.py whose format_prompt calls a helper of a module of its own: an edit of the helper
+    alone changes the key, so a stale tokenization is never read back."""
+    package = tmp_path / "recipe"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    signature = 'def format_prompt(instruction: str, input: str | None = "") -> str:\n'
+    source = (REPO / "alpaca" / "data.py").read_text()
+    (package / "data.py").write_text(source.replace(signature, f"{signature}    return wrap(instruction)\n").replace(
+        "import datasets\n", "import datasets\nfrom recipe.templates import wrap\n", 1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def key(template: str) -> str:
+        (package / "templates.py").write_text(f"def wrap(instruction):\n    return {template!r}.format(instruction)\n")
+        for name in ("recipe", "recipe.data", "recipe.templates"):
+            sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+        data = importlib.import_module("recipe.data")
+        records = data.load_records(str(tiny_data))
+        assert data.format_prompt("Hi") == template.format("Hi")
+        return data._dataset_fingerprint(records, tokenizer, 512, "alpaca")
+
+    assert key("Q: {}\nA: ") != key("Question: {}\nAnswer: ")
