@@ -1,6 +1,7 @@
 """Every container and record format --data_path takes, read by `datasets`' own loaders: the same records give
 the same records, fingerprint and run whatever their container; ShareGPT and OpenAI messages are the same
-conversations; what real files hold (nulls, CSV's text, a 'system' field) is read as meant."""
+conversations; what real files hold (nulls, CSV's text, a 'system' field) is read as meant. And the tokenized
+cache's key covers the code that builds prompts and labels."""
 
 import importlib
 import json
@@ -12,17 +13,11 @@ import pandas
 import pytest
 import torch
 from conftest import REPO, intervention_weights, mixed_records, run_in_process, training_flags
+from test_conversations import CONVERSATION, write_jsonl
 
 from alpaca.data import load_records, load_splits, records_fingerprint
 from alpaca.errors import UsageError
 
-CONVERSATION = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Name a color."},
-    {"role": "assistant", "content": "Blue."},
-    {"role": "user", "content": "Another one?"},
-    {"role": "assistant", "content": "Red, and green."},
-]
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
@@ -113,7 +108,7 @@ def test_sharegpt_and_openai_messages_are_the_same_conversations(tmp_path):
     """ShareGPT's human/gpt/system turns (or user/assistant), in JSON or in parquet's nested lists, a top-level
     'system' field as a first system turn: the OpenAI messages they mean; --data_format forces a format, and one
     the records do not have is refused in one line."""
-    messages = load_records(str(write_jsonl(tmp_path / "messages.jsonl", [{"messages": CONVERSATION}] * 2)))
+    messages = load_records(write_jsonl(tmp_path / "messages.jsonl", [{"messages": CONVERSATION}] * 2))
     sharegpt = [{"conversations": as_sharegpt(CONVERSATION)},
                 {"conversations": as_sharegpt(CONVERSATION[1:]), "system": CONVERSATION[0]["content"]}]
     sharegpt[1]["conversations"][0]["from"] = "user"  # some files keep OpenAI's role names
@@ -144,10 +139,6 @@ def test_a_split_of_a_dataset_dict_for_training_and_another_for_evaluation(tmp_p
                                          "--eval_data_split"):
         load_splits(str(tmp_path / "saved"), str(tmp_path / "saved"))
 
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
 
 
 @pytest.mark.fast
