@@ -203,7 +203,8 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
 def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
     """The data and the ReFT model; what can be checked is checked before the model's weights are loaded."""
     records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
-                                        args.max_n_train_example, args.seed, args.field_map)
+                                        args.max_n_train_example, args.seed, args.field_map, args.data_split,
+                                        args.data_config, args.data_format, args.eval_data_split)
     model_path = check_model(args)  # --layers and --rank against the model's config, the chat template
     model, tokenizer = strategy.load_base(model_path, dtype, args.cache_dir)
     dataset, eval_dataset = [None if split is None

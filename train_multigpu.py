@@ -318,7 +318,8 @@ def load_data_and_model(args, strategy, dtype, position: tuple[int, int], device
     rank, local_rank, world_size = dist.get_rank(), int(os.environ["LOCAL_RANK"]), dist.get_world_size()
     records, eval_records = run_checked(
         lambda: load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
-                            args.seed, args.field_map), participate=True, device=device)
+                            args.seed, args.field_map, args.data_split, args.data_config, args.data_format,
+                            args.eval_data_split), participate=True, device=device)
     model_path = first_on_local_main(lambda: check_model(args), local_rank, device)
     model, tokenizer = strategy.load_base(model_path, dtype, args.cache_dir)
     dataset, eval_dataset = first_on_local_main(

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from alpaca.constants import (
     ATTENTION_IMPLEMENTATIONS,
     COMPONENTS,
+    DATA_FORMATS,
     DEFAULT_DATA_PATH,
     DEVICE_MAP_STRATEGIES,
     EMBEDDED_MODEL,
     INTERVENTIONS,
     VARLEN_ATTENTION,
 )
+from alpaca.data_source import data_source
 from alpaca.deepspeed_config import load_config, stage
 from alpaca.errors import UsageError
 from alpaca.flag_values import (
@@ -107,10 +109,19 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     group = parser.add_argument_group("data")
     flag = group.add_argument
     flag("--data_path", default=str(DEFAULT_DATA_PATH),
-         help="Alpaca-format .json/.jsonl file, or a dataset name on the HF hub")
+         help="the training records: a .json, .jsonl, .parquet, .csv or .arrow file or a glob of them, a directory "
+              "saved by datasets' save_to_disk, or a dataset name on the HF hub, read by datasets' loaders")
+    flag("--data_split", default="train", help="the split of a save_to_disk DatasetDict or a hub dataset to train on")
+    flag("--data_config", default=None, help="the configuration (subset) of a hub dataset")
+    flag("--data_format", default="auto", choices=DATA_FORMATS,
+         help="the records' format: Alpaca (instruction/input/output), OpenAI messages (role/content) or ShareGPT "
+              "conversations (from/value: human, gpt, system); auto: told from the records")
     flag("--model_max_length", type=int, default=512, help="longer examples are truncated (output first)")
     flag("--max_n_train_example", type=int, default=None, help="train on a seeded random subset of this size")
-    flag("--eval_data_path", default=None, help="held-out Alpaca-format data to report an eval loss on")
+    flag("--eval_data_path", default=None,
+         help="held-out records to report an eval loss on, in any container and format --data_path takes")
+    flag("--eval_data_split", default=None,
+         help="the split of --eval_data_path's DatasetDict or hub dataset (e.g. test); default: its only split")
     flag("--eval_split_ratio", type=float, default=None,
          help="instead, hold out this fraction of --data_path (seeded) as evaluation data, e.g. 0.05")
     flag("--prompt_template", default="alpaca", choices=["alpaca", "chat"],
@@ -118,7 +129,7 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
               "the user turn and output as the assistant turn, or a record's 'messages' (conversations need it)")
     flag("--field_map", type=parse_field_map, default={},
          help="rename record fields, e.g. 'question=instruction,answer=output' for data with other field names, "
-              "'conversations=messages' for conversations under another name")
+              "'dialog=messages' for conversations under another name")
     flag("--group_by_length", type=str2bool, nargs="?", const=True, default=True,
          help="batch examples of similar length together (less padding); still seeded and exact across "
               "process counts. 'false' for uniformly random batches")
@@ -304,7 +315,7 @@ def validate(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if args.bf16 else "float16"
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         raise UsageError(f"--output_dir {args.output_dir!r} is a file; pass a directory path")
-    check_data_path("--data_path", args.data_path)
+    check_data_path("--data_path", args.data_path, args.data_config)
     validate_eval(args)
 
 
@@ -399,13 +410,13 @@ def validate_quantization(args: argparse.Namespace) -> None:
                          "of them")
 
 
-def check_data_path(flag: str, path: str) -> None:
-    """A local file that exists, or a name that can only mean an HF hub dataset."""
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory; pass an Alpaca .json/.jsonl file")
-    is_file = path.endswith((".json", ".jsonl")) or os.path.sep in path
-    if is_file and not os.path.isfile(path):
-        raise UsageError(f"{flag} {path!r} does not exist; pass an Alpaca .json/.jsonl file")
+def check_data_path(flag: str, path: str, config: str | None) -> None:
+    """Data files, a directory or a hub name (alpaca.data_source); --data_config only where there are
+    configurations to choose from."""
+    source = data_source(flag, path)
+    if config is not None and source.kind in ("files", "saved"):
+        raise UsageError(f"--data_config {config!r} names a configuration of a hub dataset; {flag} {path!r} is "
+                         f"{'data files' if source.kind == 'files' else 'a save_to_disk directory'}, drop it")
 
 
 def validate_eval(args: argparse.Namespace) -> None:
@@ -413,7 +424,10 @@ def validate_eval(args: argparse.Namespace) -> None:
     if args.eval_data_path and args.eval_split_ratio is not None:
         raise UsageError("--eval_data_path and --eval_split_ratio are exclusive; pass one")
     if args.eval_data_path:
-        check_data_path("--eval_data_path", args.eval_data_path)
+        check_data_path("--eval_data_path", args.eval_data_path, None)
+    elif args.eval_data_split is not None:
+        raise UsageError(f"--eval_data_split {args.eval_data_split!r} picks a split of --eval_data_path; pass "
+                         "--eval_data_path, or drop it")
     has_eval_data = bool(args.eval_data_path) or args.eval_split_ratio is not None
     if args.eval_strategy is None:
         args.eval_strategy = "epoch" if has_eval_data else "no"

@@ -42,3 +42,14 @@ ALPACA_FIELDS = ("instruction", "input", "output")
 # A conversation record: {"messages": [{"role": ..., "content": ...}, ...]}, the chat datasets' (and TRL's) format.
 CONVERSATION_FIELD = "messages"
 RECORD_FIELDS = (*ALPACA_FIELDS, CONVERSATION_FIELD)
+# ShareGPT's: {"conversations": [{"from": "human", "value": ...}, ...]} (LLaMA-Factory, axolotl, FastChat), its
+# roles by their OpenAI names.
+SHAREGPT_FIELD = "conversations"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# --data_format: the record formats, told from the records by default (alpaca.data.record_format).
+RECORD_FORMATS = {
+    "alpaca": "Alpaca ('instruction', 'output', optional 'input')",
+    "messages": "OpenAI 'messages' (turns of 'role' and 'content')",
+    "sharegpt": "ShareGPT 'conversations' (turns of 'from' and 'value')",
+}
+DATA_FORMATS = ("auto", *RECORD_FORMATS)

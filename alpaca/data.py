@@ -1,18 +1,31 @@
-"""The training data: Alpaca records or conversations (read, checked, split), their prompts, and their
-tokenization, cached on disk."""
+"""The training data: Alpaca records or conversations (read by `datasets`' loaders from any container, checked,
+split), their prompts, and their tokenization, cached on disk."""
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import csv
 import hashlib
+import importlib
 import inspect
 import json
-import os
+import sys
+import sysconfig
 from pathlib import Path
 
 import datasets
 import numpy as np
 
-from alpaca.constants import CONVERSATION_FIELD, RECORD_FIELDS
+from alpaca.constants import (
+    ALPACA_FIELDS,
+    CONVERSATION_FIELD,
+    RECORD_FIELDS,
+    RECORD_FORMATS,
+    SHAREGPT_FIELD,
+    SHAREGPT_ROLES,
+)
+from alpaca.data_source import ACCEPTED, DataSource, data_source
 from alpaca.errors import UsageError
 from alpaca.manifest import cache_root, cached_directory
 
@@ -122,31 +135,119 @@ def encode_prompts(tokenizer, prompts: list[str], prompt_template: str, return_t
     return tokenizer(prompts, add_special_tokens=prompt_template == "alpaca", return_tensors=return_tensors)
 
 
-def read_local_records(path: str, flag: str) -> list[dict]:
+@contextlib.contextmanager
+def datasets_logging_quiet():
+    """`datasets` logs a loader's failure before raising it: the one line is ours (read_dataset)."""
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read {flag} {path!r}: {error}") from None
-    if path.endswith(".jsonl"):
-        records = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            try:
-                if line.strip():
-                    records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise UsageError(f"line {number} of {flag} {path!r} is not valid JSON ({error}); "
-                                 "JSONL needs one JSON record per line") from None
-        return records
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def load_files(source: DataSource) -> datasets.DatasetDict:
+    """Data files through `datasets`' packaged loader. A CSV's cells are read as the text they are ("007" stays
+    "007", an empty cell ""), as in a JSON file of strings; its header names the columns."""
+    if source.loader != "csv":
+        return datasets.load_dataset(source.loader, data_files=list(source.files))
+    with open(source.files[0], newline="", encoding="utf-8") as file:
+        columns = next(csv.reader(file), [])
+    return datasets.load_dataset("csv", data_files=list(source.files), keep_default_na=False,
+                                 features=datasets.Features({column: datasets.Value("string") for column in columns}))
+
+
+def read_dataset(path: str, flag: str, split: str | None = "train", config: str | None = None,
+                 split_flag: str = "--data_split") -> datasets.Dataset:
+    """The records at `path` (alpaca.data_source) as `datasets`' own loaders read them: data files, a
+    save_to_disk Dataset or DatasetDict, a local directory of data files or a hub dataset (`config`); of several
+    splits, `split` (None: the only one)."""
+    source = data_source(flag, path)
+    where = f"{flag} {path!r}"
     try:
-        records = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UsageError(
-            f"{flag} {path!r} is not valid JSON ({error}); fix the file or convert it to JSON/JSONL"
-        ) from None
-    if not isinstance(records, list):
-        raise UsageError(f"{flag} {path!r} must hold a JSON list of records (or be JSONL, one record per line)")
+        with datasets_logging_quiet():
+            if source.kind == "saved":
+                loaded = datasets.load_from_disk(path)
+            elif source.kind == "files":
+                loaded = load_files(source)
+            else:
+                loaded = datasets.load_dataset(path, config)
+    except (datasets.exceptions.DatasetsError, ValueError, OSError, UnicodeDecodeError) as error:
+        reason = str(error.__cause__ or error).strip().splitlines()[0]
+        if "corresponds to no data" in reason:  # what the packaged loaders say of files without a record
+            raise UsageError(f"{where} holds no records; pass {ACCEPTED} with at least one example") from None
+        raise UsageError(f"cannot read {where}: {reason}") from None
+    if isinstance(loaded, datasets.Dataset):
+        return loaded
+    if split is None and len(loaded) == 1:
+        return next(iter(loaded.values()))
+    if split not in loaded:
+        raise UsageError(f"{where} has {'no split' if split else 'several splits'}{f' {split!r}' if split else ''}: "
+                         f"its splits are {', '.join(map(repr, loaded))}; pick one with {split_flag}")
+    return loaded[split]
+
+
+def record_format(dataset: datasets.Dataset, data_format: str, source: str) -> tuple[str, str | None]:
+    """(format, the column holding the conversations): Alpaca, OpenAI messages or ShareGPT, told from the
+    columns and the first turn's keys (--data_format auto), or as forced."""
+    columns = dataset.column_names
+    conversations = next((column for column in (CONVERSATION_FIELD, SHAREGPT_FIELD) if column in columns), None)
+    if data_format == "auto" and conversations:
+        first_turn = next((turns[0] for turns in dataset[conversations][:100] if isinstance(turns, list) and turns),
+                          None)
+        data_format = "sharegpt" if isinstance(first_turn, dict) and first_turn.get("from") is not None else "messages"
+    elif data_format == "auto" and "instruction" in columns:
+        data_format = "alpaca"
+    if "instruction" in columns if data_format == "alpaca" else data_format != "auto" and conversations:
+        return data_format, conversations
+    expected = (f"not {RECORD_FORMATS[data_format]} records (--data_format)" if data_format != "auto" else
+                f"none of the formats accepted: {', '.join(list(RECORD_FORMATS.values())[:-1])} or "
+                f"{list(RECORD_FORMATS.values())[-1]}")
+    raise UsageError(f"{source} holds records with fields {', '.join(map(repr, columns))}, {expected}; for other "
+                     "field names pass e.g. --field_map question=instruction,answer=output")
+
+
+def as_message(turn, sharegpt: bool, where: str):
+    """A turn as an OpenAI message of role and content only (their other keys, names or tool calls, vary from
+    record to record); ShareGPT's roles by their OpenAI names. A malformed turn is kept as it is, for
+    check_conversations to name."""
+    if not isinstance(turn, dict):
+        return turn
+    if sharegpt and turn.get("from") not in SHAREGPT_ROLES:
+        raise UsageError(f"{where}: a ShareGPT turn from {turn.get('from')!r}; the roles accepted are "
+                         f"{', '.join(SHAREGPT_ROLES)}")
+    message = ({"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")} if sharegpt
+               else {"role": turn.get("role"), "content": turn.get("content")})
+    return message if all(isinstance(value, str) for value in message.values()) else turn
+
+
+def canonical_records(dataset: datasets.Dataset, source: str, data_format: str = "auto") -> list[dict]:
+    """Each record as an Alpaca record ('input' "" where missing or null) or a list of OpenAI `messages` (ShareGPT
+    turns renamed; a top-level 'system' field, as ShareGPT files have, becomes a first system turn)."""
+    record_kind, column = record_format(dataset, data_format, source)
+    if record_kind == "alpaca":
+        width = len(dataset)
+        instructions, inputs, outputs = [dataset[field] if field in dataset.column_names else [None] * width
+                                         for field in ALPACA_FIELDS]
+        return [{"instruction": instruction, "input": input or "", "output": output}
+                for instruction, input, output in zip(instructions, inputs, outputs)]
+    systems = dataset["system"] if "system" in dataset.column_names else [None] * len(dataset)
+    records = []
+    for index, (turns, system) in enumerate(zip(dataset[column], systems)):
+        if not isinstance(turns, list):
+            records.append({CONVERSATION_FIELD: turns})
+            continue
+        messages = [as_message(turn, record_kind == "sharegpt", f"record {index} of {source}") for turn in turns]
+        if isinstance(system, str) and system and not (messages and messages[0].get("role") == "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        records.append({CONVERSATION_FIELD: messages})
     return records
+
+
+def read_local_records(path: str, flag: str, data_format: str = "auto") -> list[dict]:
+    """The records of a file (or any source read_dataset reads, its only split) in canonical_records' form:
+    Alpaca records (an 'output' may be missing: None) or conversations, not yet checked."""
+    return canonical_records(read_dataset(path, flag, split=None), f"{flag} {path!r}", data_format)
 
 
 def check_conversations(records: list[dict], source: str, last_role: str = "assistant") -> None:
@@ -168,62 +269,50 @@ def check_conversations(records: list[dict], source: str, last_role: str = "assi
 
 
 def check_records(records: list[dict], source: str) -> None:
-    """Every record needs string `instruction` and `output`; `input` is optional. Or, if the first record has
-    `messages`, every record is a conversation (check_conversations)."""
-    if records and isinstance(records[0], dict) and CONVERSATION_FIELD in records[0]:
+    """At least one record. Alpaca records (canonical_records) need a string `instruction` and `output`; `input`
+    is optional. Conversations are checked by check_conversations."""
+    if not records:
+        raise UsageError(f"{source} holds no records; pass data with at least one example")
+    if CONVERSATION_FIELD in records[0]:
         return check_conversations(records, source)
     for index, record in enumerate(records):
-        wrong_type = [key for key in ("instruction", "input", "output") if isinstance(record, dict)
-                      and record.get(key) is not None and not isinstance(record[key], str)]
+        wrong_type = [key for key in ALPACA_FIELDS if record[key] is not None and not isinstance(record[key], str)]
         if wrong_type:
             key = wrong_type[0]
             raise UsageError(f"record {index} of {source} has {key!r}, but as a {type(record[key]).__name__}, not a "
                              f"string; map a string field to {key!r} with --field_map, or convert the records")
-        ok = isinstance(record, dict) and all(
-            isinstance(record.get(key), str) for key in ("instruction", "output")
-        ) and isinstance(record.get("input", ""), (str, type(None)))
-        if not ok:
-            fields = f" (it has {', '.join(map(repr, record))})" if isinstance(record, dict) else ""
+        if record["instruction"] is None or record["output"] is None:
+            fields = [key for key, value in record.items() if value]
             raise UsageError(
-                f"record {index} of {source} lacks a string 'instruction' or 'output'{fields}; every record needs "
-                "both ('input' is optional); for other field names pass e.g. --field_map "
-                "question=instruction,answer=output"
+                f"record {index} of {source} lacks a string 'instruction' or 'output' (it has "
+                f"{', '.join(map(repr, fields)) or 'neither'}); every record needs both ('input' is optional); for "
+                "other field names pass e.g. --field_map question=instruction,answer=output"
             )
-    if not records:
-        raise UsageError(f"{source} holds no records; pass an Alpaca file with at least one example")
 
 
-def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None):
-    """Alpaca records or conversations from a local .json/.jsonl file or an HF hub dataset, as a
-    `datasets.Dataset`. `field_map` renames fields first (--field_map)."""
-    field_map = field_map or {}
-    if os.path.isfile(data_path):
-        records = [{field_map.get(key, key): value for key, value in record.items()} if isinstance(record, dict)
-                   else record for record in read_local_records(data_path, flag)]
-        check_records(records, f"{flag} {data_path!r}")
-        if records and CONVERSATION_FIELD in records[0]:
-            # role and content only: the messages' other keys (names, tool calls) vary from record to record
-            return datasets.Dataset.from_dict({CONVERSATION_FIELD: [
-                [{"role": m["role"], "content": m["content"]} for m in r[CONVERSATION_FIELD]] for r in records]})
-        dataset = datasets.Dataset.from_dict({
-            "instruction": [r["instruction"] for r in records],
-            "input": [r.get("input") or "" for r in records],
-            "output": [r["output"] for r in records],
-        })
-    else:
-        dataset = datasets.load_dataset(data_path, split="train")
-        dataset = dataset.rename_columns({k: v for k, v in field_map.items() if k in dataset.column_names})
-        if "input" not in dataset.column_names and CONVERSATION_FIELD not in dataset.column_names:
-            dataset = dataset.add_column("input", [""] * len(dataset))
-        check_records(dataset.select(range(min(len(dataset), 1000))).to_list(), f"{flag} {data_path!r}")
-    return dataset
+def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None,
+                 split: str | None = "train", config: str | None = None, data_format: str = "auto",
+                 split_flag: str = "--data_split"):
+    """Alpaca records or conversations, from any source read_dataset reads, checked, as an in-memory
+    `datasets.Dataset` of the canonical columns (instruction, input, output; or messages): the same records
+    give the same Dataset whatever their container. `field_map` renames top-level fields first (--field_map)."""
+    dataset = read_dataset(data_path, flag, split, config, split_flag)
+    dataset = dataset.rename_columns({k: v for k, v in (field_map or {}).items() if k in dataset.column_names})
+    source = f"{flag} {data_path!r}"
+    records = canonical_records(dataset, source, data_format)
+    check_records(records, source)
+    if CONVERSATION_FIELD in records[0]:
+        return datasets.Dataset.from_dict({CONVERSATION_FIELD: [record[CONVERSATION_FIELD] for record in records]})
+    return datasets.Dataset.from_dict({field: [record[field] for record in records] for field in ALPACA_FIELDS})
 
 
 def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ratio: float | None = None,
-                max_n_train_example: int | None = None, seed: int = 42, field_map: dict[str, str] | None = None):
+                max_n_train_example: int | None = None, seed: int = 42, field_map: dict[str, str] | None = None,
+                split: str = "train", config: str | None = None, data_format: str = "auto",
+                eval_split: str | None = None):
     """(training records, evaluation records or None). A held-out split is taken first, so
     --max_n_train_example never takes evaluation examples; both selections are seeded."""
-    records = load_records(data_path, field_map=field_map)
+    records = load_records(data_path, field_map=field_map, split=split, config=config, data_format=data_format)
     eval_records = None
     if eval_split_ratio is not None:
         try:
@@ -233,7 +322,8 @@ def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ra
                              "empty; change the ratio or pass --eval_data_path") from None
         records, eval_records = split["train"], split["test"]
     elif eval_data_path:
-        eval_records = load_records(eval_data_path, "--eval_data_path", field_map)
+        eval_records = load_records(eval_data_path, "--eval_data_path", field_map, eval_split, config, data_format,
+                                    "--eval_data_split")
     if max_n_train_example is not None and max_n_train_example < len(records):
         records = records.shuffle(seed=seed).select(range(max_n_train_example))
     return records, eval_records
@@ -290,18 +380,31 @@ def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "
     return tokenized
 
 
+def tokenization_source() -> str:
+    """The source of this module and of every module it imports or takes a name from that is not installed (in
+    the standard library or site-packages): all the code that builds prompts and labels, a helper module a copy
+    adds included."""
+    installed = tuple({str(Path(path).resolve()) for name, path in sysconfig.get_paths().items()
+                       if name in ("stdlib", "platstdlib", "purelib", "platlib")})
+    this = sys.modules[__name__]
+    tree = ast.parse(inspect.getsource(this))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules = {this, *map(importlib.import_module, imported), *map(inspect.getmodule, globals().values())}
+    ours = [module for module in modules if getattr(module, "__file__", None)
+            and not str(Path(module.__file__).resolve()).startswith(installed)]
+    return "".join(inspect.getsource(module) for module in sorted(ours, key=lambda module: module.__name__))
+
+
 def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_template: str) -> str:
-    """Everything the tokenized dataset depends on: the records (datasets' own fingerprint, a hash of
-    the content and of the seeded selections and splits made of it), the tokenizer's full
-    serialization, the templates (Alpaca's or the tokenizer's chat template), the code that builds
-    prompts and labels (edit it in a copy and the cache is not reused) and the truncation length."""
-    digest = hashlib.sha256(records._fingerprint.encode())
+    """Everything the tokenized dataset depends on: the records (records_fingerprint, their content as trained
+    on, whatever their container), the tokenizer's full serialization, the templates (Alpaca's or the tokenizer's
+    chat template), the code that builds prompts and labels (tokenization_source: edit it in a copy and the cache
+    is not reused) and the truncation length."""
+    digest = hashlib.sha256(records_fingerprint(records).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
-    code = [inspect.getsource(function)
-            for function in (format_prompt, user_turn, record_conversation, chat_prompt, chat_answer, encode_prompts,
-                             conversation_tokens, fit_conversation, tokenize)]
-    digest.update(json.dumps([*code, PROMPT_WITH_INPUT, PROMPT_NO_INPUT, tokenizer.eos_token_id, model_max_length,
+    digest.update(json.dumps([tokenization_source(), tokenizer.eos_token_id, model_max_length,
                               type(tokenizer).__name__, prompt_template,
                               tokenizer.chat_template if prompt_template == "chat" else None]).encode())
     return digest.hexdigest()[:24]

@@ -121,11 +121,16 @@ def pytest_sessionstart(session) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """Tokenized datasets (and any converted model) go to a throwaway cache, not the user's; so do the kernels
-    --torch_compile builds. Inductor's cache key leaves out ATEN_CPU_CAPABILITY (torch 2.13): kernels it built
-    under another kernel set (`make test-other-cpus`) would be reused, and they crash or compute NaN."""
+    """Tokenized datasets, the caches of datasets' loaders (and any converted model) go to a throwaway cache, not
+    the user's; so do the kernels --torch_compile builds. Inductor's cache key leaves out ATEN_CPU_CAPABILITY
+    (torch 2.13): kernels it built under another kernel set (`make test-other-cpus`) would be reused, and they
+    crash or compute NaN."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    # `datasets` read its cache's place when a test module imported it, before this: its loaders' caches too.
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("datasets"))
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].config.HF_DATASETS_CACHE = Path(os.environ["HF_DATASETS_CACHE"])
 
 
 @pytest.fixture(scope="session")

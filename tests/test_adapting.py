@@ -37,8 +37,8 @@ def question_answer_data(tmp_path):
 
 def test_other_field_names_are_refused_with_the_flag_that_maps_them(question_answer_data):
     path, _ = question_answer_data
-    with pytest.raises(UsageError, match=r"lacks a string 'instruction' or 'output' \(it has 'question', 'answer'\);"
-                                         r".* pass e.g. --field_map question=instruction,answer=output"):
+    with pytest.raises(UsageError, match=r"holds records with fields 'question', 'answer', none of the formats "
+                                         r"accepted: Alpaca .* --field_map question=instruction,answer=output"):
         load_records(str(path))
 
 

@@ -26,29 +26,45 @@ def write(path, text: str | bytes):
 
 
 def bad_data(tmp_path):
+    import datasets
+
     good = json.loads(write_records(tmp_path / "good.json", 3).read_text())
+    (tmp_path / "data").mkdir()
+    splits = {"train": good, "test": good[:1]}
+    datasets.DatasetDict({name: datasets.Dataset.from_list(records) for name, records in splits.items()}).save_to_disk(
+        tmp_path / "saved")
     return {
         "missing": tmp_path / "missing.json",
-        "directory": tmp_path,
+        "directory": tmp_path / "data",
+        "not data": write(tmp_path / "notes.txt", "instruction: Hi"),
+        "saved": tmp_path / "saved",
         "not utf-8": write(tmp_path / "latin1.json", "[{\"instruction\": \"caf\xe9\"}]".encode("latin-1")),
         "malformed json": write(tmp_path / "broken.json", json.dumps(good)[:-5]),
         "malformed jsonl": write(tmp_path / "broken.jsonl", json.dumps(good[0]) + "\n{\"instruction\": \n"),
         "missing output": write(tmp_path / "no-output.json", json.dumps(good + [{"instruction": "Hi", "input": ""}])),
         "empty": write(tmp_path / "empty.json", "[]"),
-        "not a list": write(tmp_path / "object.json", json.dumps(good[0])),
+        "sharegpt role": write(tmp_path / "bot.jsonl", json.dumps({"conversations": [
+            {"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]})),
     }
 
 
 CASES = [
     # (name, flags, what stderr must say)
-    ("missing data file", ["--data_path", "{missing}"], "does not exist; pass an Alpaca .json/.jsonl file"),
-    ("data path is a directory", ["--data_path", "{directory}"], "is a directory; pass an Alpaca"),
+    ("missing data file", ["--data_path", "{missing}"], "does not exist; pass a .json, .jsonl, .parquet, .csv or "
+     ".arrow file (or a glob of them), a save_to_disk directory, or a hub dataset name"),
+    ("not a data file", ["--data_path", "{not data}"], "is not a data file datasets reads; pass a .json"),
+    ("glob of nothing", ["--data_path", "{missing}*.parquet"], "matches no file"),
+    ("directory without data", ["--data_path", "{directory}"], "doesn't contain any data files"),
+    ("split not saved", ["--data_path", "{saved}", "--data_split", "validation"],
+     "has no split 'validation': its splits are 'train', 'test'; pick one with --data_split"),
+    ("config of a file", ["--data_config", "en"], "names a configuration of a hub dataset"),
+    ("eval split without eval data", ["--eval_data_split", "test"], "picks a split of --eval_data_path"),
     ("unreadable data", ["--data_path", "{not utf-8}"], "cannot read --data_path"),
-    ("malformed json", ["--data_path", "{malformed json}"], "is not valid JSON"),
-    ("malformed jsonl", ["--data_path", "{malformed jsonl}"], "line 2 of --data_path"),
+    ("malformed json", ["--data_path", "{malformed json}"], "cannot read --data_path"),
+    ("malformed jsonl", ["--data_path", "{malformed jsonl}"], "cannot read --data_path"),
     ("record without output", ["--data_path", "{missing output}"], "record 3 of"),
     ("empty dataset", ["--data_path", "{empty}"], "holds no records"),
-    ("not a list of records", ["--data_path", "{not a list}"], "must hold a JSON list of records"),
+    ("unknown sharegpt role", ["--data_path", "{sharegpt role}"], "a ShareGPT turn from 'bot'; the roles accepted"),
     ("everything truncated", ["--model_max_length", "8"], "no output token is left; raise --model_max_length"),
     ("layers not integers", ["--layers", "1;two"], "--layers '1;two' is malformed"),
     ("layer out of range", ["--layers", "1;9"], "layer 9 is out of range, the model has 4 layers"),
@@ -195,7 +211,7 @@ def test_bad_input_on_every_rank_is_reported_once(tiny_model, tmp_path, output_d
     result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
                           str(tmp_path / "missing.json"), "--output_dir", str(output_dir)])
     assert result.returncode != 0
-    assert result.stderr.count("does not exist; pass an Alpaca .json/.jsonl file") == 1
+    assert result.stderr.count("does not exist; pass a .json") == 1
 
 
 def test_non_ascii_and_very_long_records_just_work(tiny_model, tmp_path):

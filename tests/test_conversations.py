@@ -97,18 +97,28 @@ def test_conversations_need_the_chat_template_and_another_field_name_is_mapped(w
     assert tokenize(records, chat_tokenizer, 512, "chat")[0]["label_spans"] != []
 
 
-def test_conversations_train_the_same_model_on_1_and_2_processes_and_are_continued(tiny_chat_model, tmp_path):
+def test_sharegpt_conversations_train_the_same_model_on_1_and_2_processes_and_are_continued(tiny_chat_model,
+                                                                                         tmp_path):
     """The shipped sample of conversations (1 to 3 exchanges, some with a system turn), 9 of them in global
-    batches of 4: train.py and 2 ranks train the same model; generate.py continues a conversation with it."""
-    data = write_jsonl(tmp_path / "chat.jsonl", [json.loads(line) for line in
-                                                 SAMPLE_CONVERSATIONS.read_text().splitlines()[:9]])
-    flags = training_flags(tiny_chat_model, data, None, "--prompt_template", "chat", *COMMON, "--num_train_epochs",
+    batches of 4, as ShareGPT records (human/gpt/system turns): train.py reads them from JSONL, 2 ranks from
+    parquet at once (datasets' cache written by both), and train the same model; generate.py continues a
+    conversation with it."""
+    import pandas
+
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    records = [{"conversations": [{"from": roles[message["role"]], "value": message["content"]}
+                                  for message in json.loads(line)["messages"]]}
+               for line in SAMPLE_CONVERSATIONS.read_text().splitlines()[:9]]
+    pandas.DataFrame(records).to_parquet(tmp_path / "sharegpt.parquet")
+    flags = training_flags(tiny_chat_model, None, None, "--prompt_template", "chat", *COMMON, "--num_train_epochs",
                            "2", "--per_device_train_batch_size", "2")
     with one_thread():
-        status, _, stderr = run_in_process("train.py", [*flags, "--gradient_accumulation_steps", "2",
+        status, _, stderr = run_in_process("train.py", [*flags, "--gradient_accumulation_steps", "2", "--data_path",
+                                                        write_jsonl(tmp_path / "sharegpt.jsonl", records),
                                                         "--output_dir", str(tmp_path / "one")])
     assert status == 0, stderr[-3000:]
-    result = torchrun(2, ["train_multigpu.py", *flags, "--output_dir", str(tmp_path / "two")])
+    result = torchrun(2, ["train_multigpu.py", *flags, "--data_path", str(tmp_path / "sharegpt.parquet"),
+                          "--output_dir", str(tmp_path / "two")], env={"HF_DATASETS_CACHE": str(tmp_path / "fresh")})
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "two", tmp_path / "one")
 

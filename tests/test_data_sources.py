@@ -1,0 +1,167 @@
+"""Every container and record format --data_path takes, read by `datasets`' own loaders: the same records give
+the same records, fingerprint and run whatever their container; ShareGPT and OpenAI messages are the same
+conversations; what real files hold (nulls, CSV's text, a 'system' field) is read as meant. And the tokenized
+cache's key covers the code that builds prompts and labels."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import pandas
+import pytest
+import torch
+from conftest import REPO, intervention_weights, mixed_records, run_in_process, training_flags
+from test_conversations import CONVERSATION, write_jsonl
+
+from alpaca.data import load_records, load_splits, records_fingerprint
+from alpaca.errors import UsageError
+
+SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def as_sharegpt(messages: list[dict]) -> list[dict]:
+    return [{"from": SHAREGPT_NAMES[message["role"]], "value": message["content"]} for message in messages]
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """load_dataset(name) reads datasets' cache, as on a machine without network (the tests never reach the hub)."""
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def cached_hub_dataset(name: str, splits: dict[str, list[dict]]) -> str:
+    """`name` in datasets' cache as an online `load_dataset(name)` leaves a hub dataset (config/version/hash, an
+    arrow file a split), for `load_dataset(name)` offline to read; `name`."""
+    from datasets.packaged_modules.json.json import Json
+
+    cache, cached_name = Path(datasets.config.HF_DATASETS_CACHE), name.replace("/", "___")
+    staging = cache / "staging" / cached_name
+    staging.mkdir(parents=True)
+    for split, records in splits.items():
+        (staging / f"{split}.json").write_text(json.dumps(records))
+    files = datasets.data_files.DataFilesDict.from_patterns({split: [str(staging / f"{split}.json")]
+                                                             for split in splits})
+    builder = Json(cache_dir=str(staging / "cache"), dataset_name=cached_name, data_files=files)
+    builder.download_and_prepare()
+    target = cache / cached_name / "default" / "0.0.0" / "0123abcd"
+    target.mkdir(parents=True)
+    for path in Path(builder.cache_dir).iterdir():
+        path.rename(target / path.name.replace(f"{cached_name}-", f"{name.split('/')[-1]}-"))
+    return name
+
+
+def containers(records: list[dict], directory: Path) -> dict[str, str]:
+    """The same records in every container --data_path takes, each written as its usual tool writes it."""
+    dataset = datasets.Dataset.from_list(records)
+    (directory / "records.json").write_text(json.dumps(records))
+    (directory / "records.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    (directory / "shards").mkdir()
+    half = len(records) // 2
+    for shard, part in enumerate((records[:half], records[half:])):  # a glob of shards, as hub datasets are kept
+        pandas.DataFrame(part).to_parquet(directory / "shards" / f"train-{shard:05d}.parquet")
+    dataset.to_csv(directory / "records.csv", index=False)
+    dataset.save_to_disk(directory / "saved")
+    datasets.DatasetDict({"train": dataset, "test": dataset.select([0])}).save_to_disk(directory / "saved_dict")
+    arrow = next(Path(file["filename"]) for file in datasets.load_from_disk(directory / "saved").cache_files)
+    (directory / "records.arrow").write_bytes(arrow.read_bytes())
+    paths = {name: str(directory / file) for name, file in {
+        "json": "records.json", "jsonl": "records.jsonl", "parquet glob": "shards/*.parquet", "csv": "records.csv",
+        "arrow": "records.arrow", "save_to_disk": "saved", "save_to_disk DatasetDict": "saved_dict"}.items()}
+    return {**paths, "hub": cached_hub_dataset(f"tests/{directory.name}", {"train": records, "test": records[:1]})}
+
+
+def quirky_records() -> list[dict]:
+    """Alpaca records as real files hold them: 'input' missing (null in a columnar file), empty (None in a
+    CSV read naively), text that looks like a number."""
+    records = mixed_records()[:6]
+    del records[2]["input"]
+    records[1]["output"] = "007"
+    return records
+
+
+def test_every_container_gives_the_same_records_fingerprint_and_run(tiny_model, tmp_path, offline_hub):
+    """json, jsonl, a glob of parquet shards, csv, arrow, save_to_disk (Dataset and DatasetDict) and a hub
+    dataset: the same records, the same content fingerprint (resume binding, tokenized cache), and runs of a
+    few steps whose interventions are equal bit for bit."""
+    records = quirky_records()
+    expected = [{"instruction": r["instruction"], "input": r.get("input", ""), "output": r["output"]} for r in records]
+    (tmp_path / "data").mkdir()
+    runs = {}
+    for name, path in containers(records, tmp_path / "data").items():
+        loaded = load_records(path)
+        assert loaded.to_list() == expected, name
+        assert records_fingerprint(loaded) == records_fingerprint(load_records(str(tmp_path / "data" / "records.json")))
+        output_dir = tmp_path / name.replace(" ", "_")
+        status, _, stderr = run_in_process("train.py", training_flags(
+            tiny_model, path, output_dir, "--max_steps", "2", "--per_device_train_batch_size", "2",
+            "--num_sample_answers", "0", "--cache_dir", str(tmp_path / name.replace(" ", "_") / "cache")))
+        assert status == 0, f"{name}: {stderr[-2000:]}"
+        runs[name] = intervention_weights(output_dir)
+    reference = runs.pop("json")
+    for name, weights in runs.items():
+        assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in weights), name
+
+
+def test_sharegpt_and_openai_messages_are_the_same_conversations(tmp_path):
+    """ShareGPT's human/gpt/system turns (or user/assistant), in JSON or in parquet's nested lists, a top-level
+    'system' field as a first system turn: the OpenAI messages they mean; --data_format forces a format, and one
+    the records do not have is refused in one line."""
+    messages = load_records(write_jsonl(tmp_path / "messages.jsonl", [{"messages": CONVERSATION}] * 2))
+    sharegpt = [{"conversations": as_sharegpt(CONVERSATION)},
+                {"conversations": as_sharegpt(CONVERSATION[1:]), "system": CONVERSATION[0]["content"]}]
+    sharegpt[1]["conversations"][0]["from"] = "user"  # some files keep OpenAI's role names
+    pandas.DataFrame(sharegpt).to_parquet(tmp_path / "sharegpt.parquet")
+    for path in (write_jsonl(tmp_path / "sharegpt.jsonl", sharegpt), tmp_path / "sharegpt.parquet"):
+        records = load_records(str(path))
+        assert records.to_list() == messages.to_list() and records_fingerprint(records) == records_fingerprint(messages)
+    assert load_records(str(tmp_path / "sharegpt.jsonl"), data_format="sharegpt").to_list() == messages.to_list()
+    renamed = write_jsonl(tmp_path / "dialog.jsonl", [{"dialog": as_sharegpt(CONVERSATION)}] * 2)
+    assert load_records(str(renamed), field_map={"dialog": "messages"}).to_list() == messages.to_list()
+    with pytest.raises(UsageError, match=r"holds records with fields 'conversations', 'system', not Alpaca "
+                                         r"\('instruction', 'output', optional 'input'\) records \(--data_format\)"):
+        load_records(str(tmp_path / "sharegpt.jsonl"), data_format="alpaca")
+    with pytest.raises(UsageError, match=r"fields 'dialog', none of the formats accepted: Alpaca .*, OpenAI "
+                                         r"'messages' .* or ShareGPT 'conversations'"):
+        load_records(str(renamed))
+
+
+def test_a_split_of_a_dataset_dict_for_training_and_another_for_evaluation(tmp_path):
+    records = mixed_records()[:5]
+    splits = {"train": records[:3], "test": records[3:]}
+    datasets.DatasetDict({name: datasets.Dataset.from_list(part) for name, part in splits.items()}).save_to_disk(
+        tmp_path / "saved")
+    train, held_out = load_splits(str(tmp_path / "saved"), str(tmp_path / "saved"), eval_split="test")
+    assert train["instruction"] == [r["instruction"] for r in records[:3]]
+    assert held_out["instruction"] == [r["instruction"] for r in records[3:]]
+    with pytest.raises(UsageError, match="has several splits: its splits are 'train', 'test'; pick one with "
+                                         "--eval_data_split"):
+        load_splits(str(tmp_path / "saved"), str(tmp_path / "saved"))
+
+
+
+@pytest.mark.fast
+def test_the_tokenized_cache_key_covers_a_helper_module_a_copy_adds(tokenizer, tiny_data, tmp_path, monkeypatch):
+    """A copy of alpaca/data.py whose format_prompt calls a helper of a module of its own: an edit of the helper
+    alone changes the key, so a stale tokenization is never read back."""
+    package = tmp_path / "recipe"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    signature = 'def format_prompt(instruction: str, input: str | None = "") -> str:\n'
+    source = (REPO / "alpaca" / "data.py").read_text()
+    (package / "data.py").write_text(source.replace(signature, f"{signature}    return wrap(instruction)\n").replace(
+        "import datasets\n", "import datasets\nfrom recipe.templates import wrap\n", 1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def key(template: str) -> str:
+        (package / "templates.py").write_text(f"def wrap(instruction):\n    return {template!r}.format(instruction)\n")
+        for name in ("recipe", "recipe.data", "recipe.templates"):
+            sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+        data = importlib.import_module("recipe.data")
+        records = data.load_records(str(tiny_data))
+        assert data.format_prompt("Hi") == template.format("Hi")
+        return data._dataset_fingerprint(records, tokenizer, 512, "alpaca")
+
+    assert key("Q: {}\nA: ") != key("Question: {}\nAnswer: ")
