@@ -117,6 +117,7 @@ from tqdm.auto import tqdm
 
 from alpaca.constants import CONVERSATION_FIELD
 from alpaca.data import check_conversations, read_local_records
+from alpaca.data_source import DATA_FILE_LOADERS
 from alpaca.device_map import DeviceMap, gpu_group
 from alpaca.distributed import main_rank_result, releasing_process_group, run_checked
 from alpaca.generation import (
@@ -155,11 +156,25 @@ def read_conversations(path: str) -> list[list[dict]]:
     return [record["messages"] for record in records]
 
 
+def bare_instructions_listed(path: str) -> bool:
+    """Whether `path` is a .json list with bare instructions (strings) in it, which datasets' json loader does not
+    read: such a file is read whole here."""
+    if not (Path(path).is_file() and path.lower().endswith(".json")):
+        return False
+    try:
+        listed = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # datasets' loader says what is wrong with it
+    return isinstance(listed, list) and any(isinstance(item, str) for item in listed)
+
+
 def read_instructions(path: str) -> list[dict]:
     """The records of --instructions_file, in order, as {instruction, input, dataset}: `instruction` a string or
-    a conversation (its messages). Read as training reads its records (.json/.jsonl); other files hold one
-    instruction a line."""
-    if path.endswith((".json", ".jsonl")):
+    a conversation (its messages). Read as training reads its records (any container --data_path takes); a
+    file of another kind (.txt) holds one instruction a line."""
+    if bare_instructions_listed(path):
+        records = json.loads(Path(path).read_text(encoding="utf-8"))
+    elif not Path(path).is_file() or Path(path).suffix.lower() in DATA_FILE_LOADERS:
         records = read_local_records(path, "--instructions_file")
     else:
         try:

@@ -116,7 +116,7 @@ def test_generate_with_layers_on_disk_answers_the_one_device_tokens(runs, tiny_t
     (["--output_file", "a.json"], "--output_file needs --instructions_file: the records to answer"),
     (["--output_file", "a.json", "--compare", "b"], "--compare prints two runs side by side; write each run's"),
     (["--temperature", "0.7"], "--temperature and --top_p apply to sampling; add --do_sample"),
-    (["--instructions_file", str(REPO / "README.md") + ".json"], "cannot read --instructions_file"),
+    (["--instructions_file", str(REPO / "README.md") + ".json"], "README.md.json' does not exist"),
 ])
 def test_generate_refuses_bad_flags_in_one_line(runs, placement, message):
     """The device map's checks of training (tests/test_bad_input.py has them all) and those of the answers file:
