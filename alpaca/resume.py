@@ -10,6 +10,7 @@ import random
 import numpy as np
 import torch
 
+from alpaca.args import build_parser
 from alpaca.checkpoint import load_intervention_states
 from alpaca.data import records_fingerprint
 from alpaca.errors import UsageError
@@ -80,28 +81,59 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
 
 
-# bitsandbytes' quantization of the base
-QUANTIZATION_FLAGS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
-# The flags a checkpoint is bound to, besides those checked on their own (the global batch, --seed,
-# --prompt_template): each changes what a step computes. A resumed run that changed one would not be the run the
-# checkpoint belongs to; some would even be ignored without a word (the optimizer's and scheduler's states
-# restore the learning rate, weight decay and betas). The run's length (--max_steps, --num_train_epochs) may change.
-BOUND_FLAGS = ("model_max_length", "layers", "position", "share_weights", "intervention", "rank", "dropout",
-               "group_by_length", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype", *QUANTIZATION_FLAGS)
+# A checkpoint is bound to every flag of the parser (alpaca.args) but those listed here, so that a flag added
+# later is bound until someone decides otherwise. These do not change what a step computes:
+NOT_BOUND = (
+    # where the run writes, whether it resumes or replaces, where caches are
+    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "cache_dir",
+    # what is logged and saved, when and where
+    "logging_steps", "report_to", "run_name", "wandb_project", "save_strategy", "save_steps", "save_total_limit",
+    # evaluation and the sample answers: outside the training steps
+    "eval_strategy", "eval_steps", "eval_data_path", "eval_data_split", "per_device_eval_batch_size",
+    "num_sample_answers", "max_new_tokens",
+    # the run's length: a resume that would train no step is refused
+    "max_steps", "num_train_epochs",
+    # how a step is computed, not what: placement and strategy (a DDP checkpoint resumes under FSDP, ZeRO or a
+    # device map), kernels, recomputation, padding, packing and loading of the same global batch
+    "device_map", "max_memory", "offload_folder", "ddp_backend", "ddp_timeout", "fsdp", "deepspeed",
+    "attn_implementation", "torch_compile", "optim", "gradient_checkpointing", "pad_to_multiple_of", "packing",
+    "packing_max_tokens", "dataloader_num_workers",
+    "remove_unused_columns",  # accepted for pyreft's command line, and ignored
+)
+# Bound, but not as given: the global batch these make up with the world size (whose split may change), the
+# seed and the prompt template are checked on their own (check_resumable, with messages of their own); the data
+# flags choose the training records, bound by content (a moved file, or the same records in another container,
+# is the same data); the base model is bound by its files (alpaca.model.model_fingerprint), its dtype as resolved.
+BOUND_OTHERWISE = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "prompt_template",
+    "data_path", "data_split", "data_config", "data_format", "field_map", "max_n_train_example", "eval_split_ratio",
+    "model_name_or_path", "bf16", "fp16",
+)
+
+
+def bound_flags() -> list[str]:
+    """The flags a checkpoint records and a resume must keep: those of the parser (train_multigpu.py's, a
+    superset of train.py's) on neither list above."""
+    parsed = vars(build_parser("train_multigpu.py", multigpu=True).parse_args([]))
+    return [name for name in parsed if name not in NOT_BOUND and name not in BOUND_OTHERWISE]
+
+
+def bound_flag_values(args: argparse.Namespace, num_layers: int, dtype: torch.dtype) -> dict:
+    """bound_flags' values, normalized: --layers all as the list of layers, --position in one spelling, --dtype
+    auto as the dtype it resolved to. A flag train.py lacks is None there."""
+    first_n, last_n = parse_position(args.position)
+    flags = {name: getattr(args, name, None) for name in bound_flags()}
+    flags.update(layers=";".join(map(str, parse_layers(args.layers, num_layers))),
+                 position="+".join(f"{side}{n}" for side, n in (("f", first_n), ("l", last_n)) if n),
+                 dtype=str(dtype).removeprefix("torch."))
+    return flags
 
 
 def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
     """What a checkpoint is bound to: the training data as trained on (content), the base model (config,
-    tokenizer, weights: alpaca.model.model_fingerprint) and BOUND_FLAGS, normalized (--layers all is the list of
-    layers, --dtype auto the dtype it resolved to)."""
-    first_n, last_n = parse_position(args.position)
-    flags = {name: getattr(args, name) for name in BOUND_FLAGS}
-    flags.update(layers=";".join(map(str, parse_layers(args.layers, model.config.num_hidden_layers))),
-                 position="+".join(f"{side}{n}" for side, n in (("f", first_n), ("l", last_n)) if n),
-                 dtype=str(model.dtype).removeprefix("torch."))
+    tokenizer, weights: alpaca.model.model_fingerprint) and the bound flags (bound_flag_values)."""
     return {"data": records_fingerprint(records), "model": model_fingerprint(model.name_or_path, args.cache_dir),
-            "flags": flags}
+            "flags": bound_flag_values(args, model.config.num_hidden_layers, model.dtype)}
 
 
 def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace) -> None:

@@ -1,7 +1,9 @@
 """Checkpoints, exact resume, preemption and crashes, for both scripts."""
 
+import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     DDP,
     EACH_RANK_ENDS_ON_ITS_OWN,
@@ -28,9 +31,12 @@ from conftest import (
     torchrun,
 )
 
+from alpaca.args import build_parser
 from alpaca.checkpoint import checkpoints, latest_checkpoint
+from alpaca.errors import UsageError
 from alpaca.manifest import MANIFEST, sha256
 from alpaca.output import read_metrics
+from alpaca.resume import BOUND_OTHERWISE, NOT_BOUND, bound_flag_values, bound_flags, check_fingerprint
 
 
 def test_kill_9_then_auto_resume_from_the_one_epoch_checkpoint_kept_is_bit_identical(tiny_model, tiny_data, tmp_path,
@@ -285,3 +291,54 @@ def test_a_checkpoint_without_a_fingerprint_is_refused(tiny_model, tiny_data, tm
     assert message.endswith("the checkpoint records no fingerprint of its data, base model and flags, so this resume "
                             "cannot be checked against them; resume it with the version of these scripts that wrote "
                             "it, or train anew in another --output_dir")
+
+
+def documented_bound_flags() -> set[str]:
+    """The flags docs/checkpoints.md lists as bound as given."""
+    page = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
+    listed = page[page.index("Bound as given"): page.index("The optimizer and scheduler states would silently")]
+    return set(re.findall(r"`--(\w+)`", listed))
+
+
+@pytest.mark.fast
+def test_every_flag_is_bound_unless_listed():
+    """Each flag of either script's parser is bound as given (and then listed as such in docs/checkpoints.md), or on
+    exactly one of the lists of flags a checkpoint is not bound to as given. A flag added to the parser is bound,
+    and fails here until it is documented as bound or listed."""
+    parsed = [set(vars(build_parser(script, multigpu).parse_args([]))) for script, multigpu in
+              (("train.py", False), ("train_multigpu.py", True))]
+    every_flag = set.union(*parsed)
+    assert set(NOT_BOUND) <= every_flag and set(BOUND_OTHERWISE) <= every_flag  # no stale name
+    assert not set(NOT_BOUND) & set(BOUND_OTHERWISE)
+    assert len(set(NOT_BOUND)) == len(NOT_BOUND) and len(set(BOUND_OTHERWISE)) == len(BOUND_OTHERWISE)
+    assert set(bound_flags()) == every_flag - set(NOT_BOUND) - set(BOUND_OTHERWISE) == documented_bound_flags()
+    assert set(bound_flags()) <= parsed[0]  # train.py's checkpoints resume under train_multigpu.py and back
+
+
+# A value other than the reference runs' for each bound flag (a flag newly bound needs one here).
+CHANGED_FLAGS = {"dtype": "bfloat16", "load_in_4bit": True, "load_in_8bit": True, "bnb_4bit_quant_type": "fp4",
+                 "bnb_4bit_use_double_quant": True, "model_max_length": 256, "group_by_length": False,
+                 "layers": "0;3", "position": "l1", "share_weights": True, "rank": 2, "dropout": 0.2,
+                 "intervention": "nodireft", "component": "attention_output", "learning_rate": 0.02,
+                 "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_epsilon": 1e-6,
+                 "max_grad_norm": 0.5, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "warmup_steps": 3}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", bound_flags())
+def test_a_resume_that_changes_a_bound_flag_is_refused_naming_it(name):
+    """The check a resume makes (alpaca.resume.check_fingerprint), on the reference runs' flags and on them with
+    one bound flag changed: refused in one line naming that flag alone, with both values."""
+    def fingerprint(args):
+        dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+        return {"data": "records", "model": {"config": "c", "tokenizer": "t", "weights": "w"},
+                "flags": bound_flag_values(args, num_layers=4, dtype=dtype)}
+
+    saved = build_parser("train.py").parse_args(flags("model", "data.json", "out", *SINGLE))
+    check_fingerprint(json.loads(json.dumps(fingerprint(saved))), fingerprint(saved), saved)  # as written, read
+    changed = argparse.Namespace(**{**vars(saved), name: CHANGED_FLAGS[name]})
+    with pytest.raises(UsageError) as refusal:
+        check_fingerprint(json.loads(json.dumps(fingerprint(saved))), fingerprint(changed), changed)
+    message = str(refusal.value)
+    assert message.startswith(f"this run differs from the checkpoint in --{name} (") and "\n" not in message
+    assert message.count("in this run)") == 1
