@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from alpaca.args import build_parser
-from alpaca.checkpoint import load_intervention_states
+from alpaca.checkpoint import latest_checkpoint, load_intervention_states
 from alpaca.data import records_fingerprint
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers, parse_position
@@ -136,10 +136,11 @@ def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
             "flags": bound_flag_values(args, model.config.num_hidden_layers, model.dtype)}
 
 
-def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace) -> None:
+def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace,
+                      bound_to: str = "the checkpoint") -> None:
     """Refuse, in one line naming every difference, a resume on other data, another base model or other flags."""
     if saved is None:
-        raise UsageError("the checkpoint records no fingerprint of its data, base model and flags, so this resume "
+        raise UsageError(f"{bound_to} records no fingerprint of its data, base model and flags, so this resume "
                          "cannot be checked against them; resume it with the version of these scripts that wrote it, "
                          "or train anew in another --output_dir")
     changes = []
@@ -149,12 +150,12 @@ def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespac
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
                 for part in ("config", "tokenizer", "weights") if saved["model"][part] != current["model"][part]]
     recorded = saved["flags"]
-    changes += [f"--{name} ({recorded[name] if name in recorded else 'not recorded'} in the checkpoint, {value} in "
+    changes += [f"--{name} ({recorded[name] if name in recorded else 'not recorded'} in {bound_to}, {value} in "
                 "this run)" for name, value in current["flags"].items()
                 if name not in recorded or recorded[name] != value]
     if changes:
-        raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
-                         "model and flags the checkpoint was trained with (its training_args.json), or train "
+        raise UsageError(f"this run differs from {bound_to} in {'; '.join(changes)}. Resume with the data, "
+                         f"model and flags {bound_to} was trained with (its training_args.json), or train "
                          "anew in another --output_dir")
 
 
@@ -169,21 +170,44 @@ def describe_geometry(g: dict) -> str:
             f"{g['world_size']} processes x {g['gradient_accumulation_steps']} accumulation")
 
 
-def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int) -> None:
+def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int,
+                    bound_to: str = "the checkpoint") -> None:
     """The batch plan must be the same one: same global batch, seed and prompts; the world size may change."""
     saved, current = trainer_state["geometry"], geometry(args, world_size)
     if saved["global_batch_size"] != current["global_batch_size"]:
-        raise UsageError(f"the checkpoint was written with {describe_geometry(saved)}, this run has "
+        raise UsageError(f"{bound_to} was written with {describe_geometry(saved)}, this run has "
                          f"{describe_geometry(current)}; resume with the same global batch")
     if trainer_state["seed"] != args.seed:
-        raise other_data_or_seed(trainer_state, args, num_examples)
+        raise UsageError(f"{bound_to} was written with --seed {trainer_state['seed']} on "
+                         f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on "
+                         f"{num_examples}; resume with the same data and seed")
     saved_template = trainer_state["prompt_template"]
     if saved_template != args.prompt_template:
-        raise UsageError(f"the checkpoint was trained with --prompt_template {saved_template}, this run has "
+        raise UsageError(f"{bound_to} was trained with --prompt_template {saved_template}, this run has "
                          f"{args.prompt_template}; resume with --prompt_template {saved_template}")
 
 
-def other_data_or_seed(trainer_state: dict, args: argparse.Namespace, num_examples: int) -> UsageError:
-    return UsageError(f"the checkpoint was written with --seed {trainer_state['seed']} on "
-                      f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on {num_examples}; "
-                      "resume with the same data and seed")
+def finished_record(step: int, args: argparse.Namespace, world_size: int, num_examples: int,
+                    fingerprint: dict) -> dict:
+    """What a finished run leaves of itself next to its output (alpaca.output.FINISHED_FILE): its last step and
+    what a resume of it is checked against, as a checkpoint's trainer_state.json records them."""
+    return {"step": step, "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
+            "prompt_template": args.prompt_template, "fingerprint": fingerprint}
+
+
+def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_examples: int, fingerprint: dict,
+                   total_steps: int) -> str:
+    """--resume_from_checkpoint auto in a finished run's directory: the line saying there is nothing to train when
+    this run is that run; refused like any resume when it differs, and when it asks for another number of steps
+    (the output keeps no optimizer state to go on from)."""
+    check_resumable(record, args, world_size, num_examples, "the finished run")
+    check_fingerprint(record["fingerprint"], fingerprint, args, "the finished run")
+    if record["step"] != total_steps:
+        newest = latest_checkpoint(args.output_dir)
+        raise UsageError(f"the finished run in {args.output_dir} ended at step {record['step']}, this run would end "
+                         f"at step {total_steps}; a "
+                         "finished run keeps no optimizer state to go on from: "
+                         + (f"resume its newest checkpoint with --resume_from_checkpoint {newest}, or " if newest
+                            else "") + "pass --overwrite_output_dir to train anew")
+    return (f"Nothing to train: {args.output_dir} holds this run, finished at step {record['step']} with these "
+            "data, model and flags (pass --overwrite_output_dir to train it again)")

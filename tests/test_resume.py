@@ -35,7 +35,7 @@ from alpaca.args import build_parser
 from alpaca.checkpoint import checkpoints, latest_checkpoint
 from alpaca.errors import UsageError
 from alpaca.manifest import MANIFEST, sha256
-from alpaca.output import read_metrics
+from alpaca.output import FINISHED_FILE, read_metrics
 from alpaca.resume import BOUND_OTHERWISE, NOT_BOUND, bound_flag_values, bound_flags, check_fingerprint
 
 
@@ -173,7 +173,7 @@ def test_a_rank_raising_brings_the_job_down_quickly(tiny_model, tiny_data, tmp_p
 ])
 def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, message):
     """In this process: the refusal is a usage error like any other (tested as such in a fresh one)."""
-    shutil.copytree(reference / "single", tmp_path, dirs_exist_ok=True)
+    copy_as_killed(reference / "single", tmp_path, 8)
     status, _, stderr = run_in_process("train.py", [*flags(tiny_model, tiny_data, tmp_path, *SINGLE), *changed,
                                                     "--resume_from_checkpoint", "auto"])
     assert status == 2
@@ -183,7 +183,7 @@ def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_p
 def test_resume_with_another_prompt_template_is_refused(tiny_model, tiny_data, tmp_path, reference):
     """A checkpoint trained on chat-rendered prompts, resumed with the Alpaca prompt: refused, not trained on
     other text (the checkpoint's record is rewritten, its manifest updated to match)."""
-    shutil.copytree(reference / "single", tmp_path, dirs_exist_ok=True)
+    copy_as_killed(reference / "single", tmp_path, 8)
     checkpoint = latest_checkpoint(tmp_path)
     state_file, manifest_file = checkpoint / "trainer_state.json", checkpoint / "manifest.json"
     state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "prompt_template": "chat"}))
@@ -227,7 +227,7 @@ def test_resume_on_edited_data_is_refused(tiny_model, tiny_data, tmp_path, refer
     """The data file edited after the checkpoint: as many records, one training answer changed."""
     from alpaca.data import load_splits
 
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     records = json.loads(tiny_data.read_text())
     trained_on = load_splits(str(tiny_data), eval_split_ratio=0.15, seed=42)[0][0]  # the reference runs' split
     edited = next(record for record in records if record["instruction"] == trained_on["instruction"])
@@ -243,7 +243,7 @@ def test_resume_on_another_base_model_is_refused(tiny_model, tiny_data, tmp_path
     """A model of the same architecture and shapes, with other weights (one tensor changed)."""
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     other = shutil.copytree(tiny_model, tmp_path / "other-model")
     weights = load_file(other / "model.safetensors")
     weights["model.layers.3.mlp.down_proj.weight"] *= 1.01
@@ -262,14 +262,14 @@ def test_resume_on_another_base_model_is_refused(tiny_model, tiny_data, tmp_path
     (["--learning_rate", "0.02"], "--learning_rate (0.01 in the checkpoint, 0.02 in this run)"),
 ])
 def test_resume_with_other_arithmetic_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, difference):
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     message = refused_resume(tmp_path / "run", [*flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE), *changed])
     assert message.startswith(f"train.py: error: this run differs from the checkpoint in {difference}. "), message
 
 
 def test_resume_past_the_end_is_refused(tiny_model, tiny_data, tmp_path, reference):
     """A resume that would train 0 steps (checkpoint-8, --max_steps 5)."""
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     message = refused_resume(tmp_path / "run", [*flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE),
                                                 "--max_steps", "5"])
     assert message.endswith("the checkpoint is at step 8 and this run ends at step 5: nothing to train; raise "
@@ -342,3 +342,47 @@ def test_a_resume_that_changes_a_bound_flag_is_refused_naming_it(name):
     message = str(refusal.value)
     assert message.startswith(f"this run differs from the checkpoint in --{name} (") and "\n" not in message
     assert message.count("in this run)") == 1
+
+
+def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference):
+    """--resume_from_checkpoint auto in the reference run's directory (finished at step 9), as a requeued job
+    runs it: one line, exit 0, no step trained and no file touched. With another bound flag: refused like any
+    resume. Asked for more steps: refused, naming the newest checkpoint to go on from, which then trains the
+    longer run."""
+    run = shutil.copytree(reference / "single", tmp_path / "run")
+    args = flags(tiny_model, tiny_data, run, *SINGLE)
+    before = files_of(run)
+    status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
+    assert status == 0, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1] == (f"Nothing to train: {run} holds this run, finished at step 9 with "
+                                               "these data, model and flags (pass --overwrite_output_dir to train "
+                                               "it again)")
+    assert stdout.count("Nothing to train") == 1 and "Trained to step" not in stdout
+    assert files_of(run) == before
+
+    message = refused_resume(run, [*args, "--learning_rate", "0.02"])
+    assert message == ("train.py: error: this run differs from the finished run in --learning_rate (0.01 in the "
+                       "finished run, 0.02 in this run). Resume with the data, model and flags the finished run was "
+                       "trained with (its training_args.json), or train anew in another --output_dir")
+    message = refused_resume(run, [*args, "--max_steps", "11"])
+    assert message == (f"train.py: error: the finished run in {run} ended at step 9, this run would end at step 11; "
+                       "a finished run keeps no optimizer state to go on from: resume its newest checkpoint with "
+                       f"--resume_from_checkpoint {run / 'checkpoint-8'}, or pass --overwrite_output_dir to train "
+                       "anew")
+    status, stdout, stderr = run_in_process("train.py", [*args, "--max_steps", "11", "--resume_from_checkpoint",
+                                                         run / "checkpoint-8"])
+    assert status == 0, stderr[-3000:]
+    assert "at step 8" in stdout
+    assert json.loads((run / FINISHED_FILE).read_text())["step"] == 11
+
+
+def test_a_finished_run_requeued_on_two_processes_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference):
+    """The same under torchrun: every rank exits 0, the line printed once (rank 0), no file touched."""
+    run = shutil.copytree(reference / "ddp", tmp_path / "run")
+    before = files_of(run)
+    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, run, *DDP), "--resume_from_checkpoint",
+                          "auto"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("Nothing to train") == 1
+    assert f"Nothing to train: {run} holds this run, finished at step 9" in result.stdout
+    assert files_of(run) == before
