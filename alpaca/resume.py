@@ -203,10 +203,9 @@ def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_
     check_resumable(record, args, world_size, num_examples, "the finished run")
     check_fingerprint(record["fingerprint"], fingerprint, args, "the finished run")
     if record["step"] != total_steps:
-        newest = latest_checkpoint(args.output_dir)
+        newest = latest_checkpoint(args.output_dir) if total_steps > record["step"] else None
         raise UsageError(f"the finished run in {args.output_dir} ended at step {record['step']}, this run would end "
-                         f"at step {total_steps}; a "
-                         "finished run keeps no optimizer state to go on from: "
+                         f"at step {total_steps}; a finished run keeps no optimizer state to go on from: "
                          + (f"resume its newest checkpoint with --resume_from_checkpoint {newest}, or " if newest
                             else "") + "pass --overwrite_output_dir to train anew")
     return (f"Nothing to train: {args.output_dir} holds this run, finished at step {record['step']} with these "

@@ -32,7 +32,7 @@ from conftest import (
 )
 
 from alpaca.args import build_parser
-from alpaca.checkpoint import checkpoints, latest_checkpoint
+from alpaca.checkpoint import checkpoints, latest_checkpoint, prepare_output_dir
 from alpaca.errors import UsageError
 from alpaca.manifest import MANIFEST, sha256
 from alpaca.output import FINISHED_FILE, read_metrics
@@ -348,7 +348,7 @@ def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_pat
     """--resume_from_checkpoint auto in the reference run's directory (finished at step 9), as a requeued job
     runs it: one line, exit 0, no step trained and no file touched. With another bound flag: refused like any
     resume. Asked for more steps: refused, naming the newest checkpoint to go on from, which then trains the
-    longer run."""
+    longer run; for fewer: refused."""
     run = shutil.copytree(reference / "single", tmp_path / "run")
     args = flags(tiny_model, tiny_data, run, *SINGLE)
     before = files_of(run)
@@ -369,6 +369,9 @@ def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_pat
                        "a finished run keeps no optimizer state to go on from: resume its newest checkpoint with "
                        f"--resume_from_checkpoint {run / 'checkpoint-8'}, or pass --overwrite_output_dir to train "
                        "anew")
+    message = refused_resume(run, [*args, "--max_steps", "5"])
+    assert message.endswith("ended at step 9, this run would end at step 5; a finished run keeps no optimizer state "
+                            "to go on from: pass --overwrite_output_dir to train anew")
     status, stdout, stderr = run_in_process("train.py", [*args, "--max_steps", "11", "--resume_from_checkpoint",
                                                          run / "checkpoint-8"])
     assert status == 0, stderr[-3000:]
@@ -386,3 +389,13 @@ def test_a_finished_run_requeued_on_two_processes_is_left_as_it_is(tiny_model, t
     assert result.stdout.count("Nothing to train") == 1
     assert f"Nothing to train: {run} holds this run, finished at step 9" in result.stdout
     assert files_of(run) == before
+
+
+@pytest.mark.fast
+def test_a_damaged_record_of_a_finished_run_is_refused(tmp_path):
+    """Cut short (by hand or by the disk: it is renamed into place whole): one line, before anything loads."""
+    (tmp_path / FINISHED_FILE).write_text('{"step": 9, "geo')
+    args = build_parser("train.py").parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"])
+    with pytest.raises(UsageError, match=f"^{tmp_path / FINISHED_FILE} is damaged; pass --overwrite_output_dir to "
+                                         "train anew$"):
+        prepare_output_dir(args)
