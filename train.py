@@ -51,7 +51,14 @@ from alpaca.model import (
 )
 from alpaca.optim import StepSchedule, build_optimizer
 from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
-from alpaca.resume import geometry, restore_training_state, rng_state, training_fingerprint
+from alpaca.resume import (
+    check_finished,
+    finished_record,
+    geometry,
+    restore_training_state,
+    rng_state,
+    training_fingerprint,
+)
 from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
 from alpaca.strategy import choose_strategy
 
@@ -91,7 +98,7 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
     stop = StopSignal()
     position = parse_position(args.position)
     strategy = choose_strategy(args, device, dtype, gpus, distributed=False)  # on the device, or a --device_map
-    resume_from = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything is loaded
+    resume_from, finished = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything loads
 
     # -- data and model --------------------------------------------------------------------------------
     tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint = load_data_and_model(
@@ -99,6 +106,9 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
 
     # -- optimization: global batch = per_device x 1 process x accumulation --------------------------------
     schedule = StepSchedule.from_args(args, len(dataset), world_size=1)
+    if finished is not None:  # --resume_from_checkpoint auto where this run finished (a requeue): nothing to do
+        print(check_finished(finished, args, 1, len(dataset), fingerprint, schedule.total_steps))
+        return
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
     step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
     if resume_from is not None:
@@ -188,7 +198,7 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
     # -- output ---------------------------------------------------------------------------------------
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
                if args.num_sample_answers > 0 else None)
-    save_output(reft_model, metrics, args.output_dir)
+    save_output(reft_model, metrics, args.output_dir, finished_record(step, args, 1, len(dataset), fingerprint))
     peak = (", ".join(f"cuda:{gpu} {torch.cuda.max_memory_allocated(gpu) / 2**30:.2f} GiB" for gpu in gpus) if gpus
             else f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident")
     print(f"Trained to step {step} in {train_time:.0f}s ({window.tokens_seen / train_time:.0f} tokens/s, peak memory "

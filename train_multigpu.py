@@ -64,7 +64,14 @@ from alpaca.model import (
 )
 from alpaca.optim import StepSchedule, build_optimizer
 from alpaca.output import LogWindow, MetricsLog, eval_record, quiet_non_main_rank, save_args, start_line, train_record
-from alpaca.resume import geometry, restore_training_state, rng_state, training_fingerprint
+from alpaca.resume import (
+    check_finished,
+    finished_record,
+    geometry,
+    restore_training_state,
+    rng_state,
+    training_fingerprint,
+)
 from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
 from alpaca.strategy import choose_strategy, local_parameter_bytes
 
@@ -140,7 +147,7 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
     stop = StopSignal()  # torchrun forwards SIGTERM/SIGINT to every rank
     position = parse_position(args.position)
     strategy = choose_strategy(args, device, dtype, gpus)  # DDP (--device_map), --fsdp or --deepspeed: asked once
-    resume_from = main_rank_result(lambda: prepare_output_dir(args), is_main, device)  # before anything loads
+    resume_from, finished = main_rank_result(lambda: prepare_output_dir(args), is_main, device)  # before any load
 
     # -- data and model --------------------------------------------------------------------------------
     tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint = load_data_and_model(
@@ -148,6 +155,9 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
 
     # -- optimization: global batch = per_device x world_size x accumulation, train.py's with one process ----
     schedule = StepSchedule.from_args(args, len(dataset), world_size)
+    if finished is not None:  # --resume_from_checkpoint auto where this run finished (a requeue): every rank returns
+        print(check_finished(finished, args, world_size, len(dataset), fingerprint, schedule.total_steps))
+        return
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
     step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
     if resume_from is not None:
@@ -248,9 +258,10 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
     throughput = gather_rank_report(window.tokens_seen / train_time, base_bytes, device)
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers, synced_ranks=strategy.shards_base)
                if args.num_sample_answers > 0 and (is_main or strategy.shards_base) else None)
+    record = finished_record(step, args, world_size, len(dataset), fingerprint)
     with strategy.gathered():
-        run_checked(lambda: save_and_report(args, reft_model, metrics, step, train_time, throughput, answers, started),
-                    participate=is_main, device=device)
+        run_checked(lambda: save_and_report(args, reft_model, metrics, record, train_time, throughput, answers,
+                                            started), participate=is_main, device=device)
 
 
 def exit_preempted(stop: StopSignal, step: int, path: Path | None, metrics: MetricsLog | None) -> NoReturn:
@@ -280,12 +291,13 @@ def data_pipeline(args, dataset, eval_dataset, collate, device, rank: int, world
     return sampler, loader, placeholder, eval_order
 
 
-def save_and_report(args, reft_model, metrics: MetricsLog, step: int, train_time: float, throughput: str,
+def save_and_report(args, reft_model, metrics: MetricsLog, finished: dict, train_time: float, throughput: str,
                     answers: str | None, started: float) -> None:
-    """Rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png, and the last lines."""
-    save_output(reft_model, metrics, args.output_dir)
-    print(f"Trained to step {step} in {train_time:.0f}s on {dist.get_world_size()} processes: {throughput}; "
-          f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
+    """Rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png, the record that the run
+    `finished` (alpaca.resume.finished_record), and the last lines."""
+    save_output(reft_model, metrics, args.output_dir, finished)
+    print(f"Trained to step {finished['step']} in {train_time:.0f}s on {dist.get_world_size()} processes: "
+          f"{throughput}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
           f"{args.output_dir}/")
     if answers:
         print(answers)

@@ -208,7 +208,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--save_steps", type=float, default=500, help="with --save_strategy steps; below 1: a fraction of the run")
     flag("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
     flag("--resume_from_checkpoint", default=None,
-         help="a checkpoint-<step> directory, or 'auto' for the newest complete one in output_dir")
+         help="a checkpoint-<step> directory, or 'auto' for the newest complete one in output_dir (in a finished "
+              "run's directory: nothing to train, exit 0)")
     flag("--overwrite_output_dir", type=str2bool, nargs="?", const=True, default=False,
          help="replace an earlier run in output_dir instead of refusing")
     flag("--report_to", default="none", choices=["none", "wandb"],

@@ -31,7 +31,7 @@ import torch
 
 from alpaca.errors import StorageError, UsageError
 from alpaca.manifest import files_problem, read_manifest, write_manifest
-from alpaca.output import ARGS_FILE, plot_loss, save_interventions
+from alpaca.output import ARGS_FILE, FINISHED_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
 INTERVENTIONS_STATE = "interventions.pt"
@@ -162,12 +162,18 @@ def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
             + "make room (or fix the permissions), then rerun with --resume_from_checkpoint auto") from None
 
 
-def save_output(reft_model, metrics, output_dir: str | os.PathLike) -> None:
-    """The run's final output: the interventions (pyreft's format), the closed metrics log and loss.png."""
+def save_output(reft_model, metrics, output_dir: str | os.PathLike, finished: dict) -> None:
+    """The run's final output: the interventions (pyreft's format), the closed metrics log and loss.png; then,
+    renamed into place after them, the record that the run finished (alpaca.resume.finished_record)."""
     with storage_errors(f"writing the output to {output_dir}", output_dir):
         save_interventions(reft_model, output_dir)
         metrics.close()
         plot_loss(output_dir)
+        staging = Path(output_dir) / f".{FINISHED_FILE}.staging-{os.getpid()}"
+        with open(staging, "wb") as file:
+            file.write(json.dumps(finished, indent=2).encode())
+            os.fsync(file.fileno())
+        os.replace(staging, Path(output_dir) / FINISHED_FILE)
 
 
 def tensor_bytes(state: dict) -> bytes:
@@ -243,8 +249,9 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
     return states, {**json.loads((path / TRAINER_STATE_JSON).read_text()), **tensors}
 
 
-def prepare_output_dir(args: argparse.Namespace) -> Path | None:
-    """Checks before anything is loaded or written; returns the checkpoint to resume from, if any.
+def prepare_output_dir(args: argparse.Namespace) -> tuple[Path | None, dict | None]:
+    """Checks before anything is loaded or written; returns the checkpoint to resume from, if any, and with
+    --resume_from_checkpoint auto in a finished run's directory, that run's record (alpaca.resume.check_finished).
 
     An earlier run's output is never overwritten by mistake: a finished run or checkpoints in
     output_dir are refused unless resuming or --overwrite_output_dir.
@@ -261,11 +268,17 @@ def prepare_output_dir(args: argparse.Namespace) -> Path | None:
                          "pass a directory you can write to") from None
     if args.resume_from_checkpoint:
         if args.resume_from_checkpoint != "auto":
-            return Path(args.resume_from_checkpoint)
+            return Path(args.resume_from_checkpoint), None
+        if (output_dir / FINISHED_FILE).exists():
+            try:
+                return None, json.loads((output_dir / FINISHED_FILE).read_text())
+            except ValueError:
+                raise UsageError(f"{output_dir / FINISHED_FILE} is damaged; pass --overwrite_output_dir to train "
+                                 "anew") from None
         latest = latest_checkpoint(output_dir)
         if latest is None:
             print(f"No checkpoint in {output_dir} to resume from: starting from scratch.")
-        return latest
+        return latest, None
     earlier = checkpoints(output_dir) or (output_dir / ARGS_FILE).exists()
     if earlier and not args.overwrite_output_dir:
         raise UsageError(f"--output_dir {args.output_dir!r} already holds a run; resume it with "
@@ -273,11 +286,13 @@ def prepare_output_dir(args: argparse.Namespace) -> Path | None:
     if earlier:
         for path in checkpoints(output_dir):
             shutil.rmtree(path)
-    return None
+    return None, None
 
 
 def remove_stale_staging(output_dir: str | os.PathLike) -> None:
-    """Staging directories left by a run killed while writing a checkpoint or its final output."""
+    """Staging directories (and files) left by a run killed while writing a checkpoint or its final output."""
     for pattern in (f".{PREFIX}*.staging-*", ".staging-*"):
         for path in Path(output_dir).glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
+    for path in Path(output_dir).glob(f".{FINISHED_FILE}.staging-*"):
+        path.unlink()

@@ -34,6 +34,7 @@ from alpaca.workarounds import (
 )
 
 ARGS_FILE = "training_args.json"
+FINISHED_FILE = "run_finished.json"  # written last: the run finished, and what it was trained on
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT_FILE = "loss.png"
 
@@ -116,6 +117,8 @@ def load_reft_model(directory: str | os.PathLike, base_model):
 
 
 def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved) -> None:
+    """The run's first write to its output directory: a finished run there is finished no more."""
+    (Path(directory) / FINISHED_FILE).unlink(missing_ok=True)
     with open(Path(directory) / ARGS_FILE, "w") as file:
         json.dump({**vars(args), **resolved}, file, indent=2, default=str)
 

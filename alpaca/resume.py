@@ -10,7 +10,8 @@ import random
 import numpy as np
 import torch
 
-from alpaca.checkpoint import load_intervention_states
+from alpaca.args import build_parser
+from alpaca.checkpoint import latest_checkpoint, load_intervention_states
 from alpaca.data import records_fingerprint
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers, parse_position
@@ -80,34 +81,66 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
 
 
-# bitsandbytes' quantization of the base
-QUANTIZATION_FLAGS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
-# The flags a checkpoint is bound to, besides those checked on their own (the global batch, --seed,
-# --prompt_template): each changes what a step computes. A resumed run that changed one would not be the run the
-# checkpoint belongs to; some would even be ignored without a word (the optimizer's and scheduler's states
-# restore the learning rate, weight decay and betas). The run's length (--max_steps, --num_train_epochs) may change.
-BOUND_FLAGS = ("model_max_length", "layers", "position", "share_weights", "intervention", "rank", "dropout",
-               "group_by_length", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-               "max_grad_norm", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "dtype", *QUANTIZATION_FLAGS)
+# A checkpoint is bound to every flag of the parser (alpaca.args) but those listed here, so that a flag added
+# later is bound until someone decides otherwise. These do not change what a step computes:
+NOT_BOUND = (
+    # where the run writes, whether it resumes or replaces, where caches are
+    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "cache_dir",
+    # what is logged and saved, when and where
+    "logging_steps", "report_to", "run_name", "wandb_project", "save_strategy", "save_steps", "save_total_limit",
+    # evaluation and the sample answers: outside the training steps
+    "eval_strategy", "eval_steps", "eval_data_path", "eval_data_split", "per_device_eval_batch_size",
+    "num_sample_answers", "max_new_tokens",
+    # the run's length: a resume that would train no step is refused
+    "max_steps", "num_train_epochs",
+    # how a step is computed, not what: placement and strategy (a DDP checkpoint resumes under FSDP, ZeRO or a
+    # device map), kernels, recomputation, padding, packing and loading of the same global batch
+    "device_map", "max_memory", "offload_folder", "ddp_backend", "ddp_timeout", "fsdp", "deepspeed",
+    "attn_implementation", "torch_compile", "optim", "gradient_checkpointing", "pad_to_multiple_of", "packing",
+    "packing_max_tokens", "dataloader_num_workers",
+    "remove_unused_columns",  # accepted for pyreft's command line, and ignored
+)
+# Bound, but not as given: the global batch these make up with the world size (whose split may change), the
+# seed and the prompt template are checked on their own (check_resumable, with messages of their own); the data
+# flags choose the training records, bound by content (a moved file, or the same records in another container,
+# is the same data); the base model is bound by its files (alpaca.model.model_fingerprint), its dtype as resolved.
+BOUND_OTHERWISE = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "prompt_template",
+    "data_path", "data_split", "data_config", "data_format", "field_map", "max_n_train_example", "eval_split_ratio",
+    "model_name_or_path", "bf16", "fp16",
+)
+
+
+def bound_flags() -> list[str]:
+    """The flags a checkpoint records and a resume must keep: those of the parser (train_multigpu.py's, a
+    superset of train.py's) on neither list above."""
+    parsed = vars(build_parser("train_multigpu.py", multigpu=True).parse_args([]))
+    return [name for name in parsed if name not in NOT_BOUND and name not in BOUND_OTHERWISE]
+
+
+def bound_flag_values(args: argparse.Namespace, num_layers: int, dtype: torch.dtype) -> dict:
+    """bound_flags' values, normalized: --layers all as the list of layers, --position in one spelling, --dtype
+    auto as the dtype it resolved to. A flag train.py lacks is None there."""
+    first_n, last_n = parse_position(args.position)
+    flags = {name: getattr(args, name, None) for name in bound_flags()}
+    flags.update(layers=";".join(map(str, parse_layers(args.layers, num_layers))),
+                 position="+".join(f"{side}{n}" for side, n in (("f", first_n), ("l", last_n)) if n),
+                 dtype=str(dtype).removeprefix("torch."))
+    return flags
 
 
 def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
     """What a checkpoint is bound to: the training data as trained on (content), the base model (config,
-    tokenizer, weights: alpaca.model.model_fingerprint) and BOUND_FLAGS, normalized (--layers all is the list of
-    layers, --dtype auto the dtype it resolved to)."""
-    first_n, last_n = parse_position(args.position)
-    flags = {name: getattr(args, name) for name in BOUND_FLAGS}
-    flags.update(layers=";".join(map(str, parse_layers(args.layers, model.config.num_hidden_layers))),
-                 position="+".join(f"{side}{n}" for side, n in (("f", first_n), ("l", last_n)) if n),
-                 dtype=str(model.dtype).removeprefix("torch."))
+    tokenizer, weights: alpaca.model.model_fingerprint) and the bound flags (bound_flag_values)."""
     return {"data": records_fingerprint(records), "model": model_fingerprint(model.name_or_path, args.cache_dir),
-            "flags": flags}
+            "flags": bound_flag_values(args, model.config.num_hidden_layers, model.dtype)}
 
 
-def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace) -> None:
+def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace,
+                      bound_to: str = "the checkpoint") -> None:
     """Refuse, in one line naming every difference, a resume on other data, another base model or other flags."""
     if saved is None:
-        raise UsageError("the checkpoint records no fingerprint of its data, base model and flags, so this resume "
+        raise UsageError(f"{bound_to} records no fingerprint of its data, base model and flags, so this resume "
                          "cannot be checked against them; resume it with the version of these scripts that wrote it, "
                          "or train anew in another --output_dir")
     changes = []
@@ -117,12 +150,12 @@ def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespac
     changes += [f"the base model's {part} (--model_name_or_path {args.model_name_or_path!r})"
                 for part in ("config", "tokenizer", "weights") if saved["model"][part] != current["model"][part]]
     recorded = saved["flags"]
-    changes += [f"--{name} ({recorded[name] if name in recorded else 'not recorded'} in the checkpoint, {value} in "
+    changes += [f"--{name} ({recorded[name] if name in recorded else 'not recorded'} in {bound_to}, {value} in "
                 "this run)" for name, value in current["flags"].items()
                 if name not in recorded or recorded[name] != value]
     if changes:
-        raise UsageError(f"this run differs from the checkpoint in {'; '.join(changes)}. Resume with the data, "
-                         "model and flags the checkpoint was trained with (its training_args.json), or train "
+        raise UsageError(f"this run differs from {bound_to} in {'; '.join(changes)}. Resume with the data, "
+                         f"model and flags {bound_to} was trained with (its training_args.json), or train "
                          "anew in another --output_dir")
 
 
@@ -137,21 +170,43 @@ def describe_geometry(g: dict) -> str:
             f"{g['world_size']} processes x {g['gradient_accumulation_steps']} accumulation")
 
 
-def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int) -> None:
+def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int,
+                    bound_to: str = "the checkpoint") -> None:
     """The batch plan must be the same one: same global batch, seed and prompts; the world size may change."""
     saved, current = trainer_state["geometry"], geometry(args, world_size)
     if saved["global_batch_size"] != current["global_batch_size"]:
-        raise UsageError(f"the checkpoint was written with {describe_geometry(saved)}, this run has "
+        raise UsageError(f"{bound_to} was written with {describe_geometry(saved)}, this run has "
                          f"{describe_geometry(current)}; resume with the same global batch")
     if trainer_state["seed"] != args.seed:
-        raise other_data_or_seed(trainer_state, args, num_examples)
+        raise UsageError(f"{bound_to} was written with --seed {trainer_state['seed']} on "
+                         f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on "
+                         f"{num_examples}; resume with the same data and seed")
     saved_template = trainer_state["prompt_template"]
     if saved_template != args.prompt_template:
-        raise UsageError(f"the checkpoint was trained with --prompt_template {saved_template}, this run has "
+        raise UsageError(f"{bound_to} was trained with --prompt_template {saved_template}, this run has "
                          f"{args.prompt_template}; resume with --prompt_template {saved_template}")
 
 
-def other_data_or_seed(trainer_state: dict, args: argparse.Namespace, num_examples: int) -> UsageError:
-    return UsageError(f"the checkpoint was written with --seed {trainer_state['seed']} on "
-                      f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on {num_examples}; "
-                      "resume with the same data and seed")
+def finished_record(step: int, args: argparse.Namespace, world_size: int, num_examples: int,
+                    fingerprint: dict) -> dict:
+    """What a finished run leaves of itself next to its output (alpaca.output.FINISHED_FILE): its last step and
+    what a resume of it is checked against, as a checkpoint's trainer_state.json records them."""
+    return {"step": step, "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
+            "prompt_template": args.prompt_template, "fingerprint": fingerprint}
+
+
+def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_examples: int, fingerprint: dict,
+                   total_steps: int) -> str:
+    """--resume_from_checkpoint auto in a finished run's directory: the line saying there is nothing to train when
+    this run is that run; refused like any resume when it differs, and when it asks for another number of steps
+    (the output keeps no optimizer state to go on from)."""
+    check_resumable(record, args, world_size, num_examples, "the finished run")
+    check_fingerprint(record["fingerprint"], fingerprint, args, "the finished run")
+    if record["step"] != total_steps:
+        newest = latest_checkpoint(args.output_dir) if total_steps > record["step"] else None
+        raise UsageError(f"the finished run in {args.output_dir} ended at step {record['step']}, this run would end "
+                         f"at step {total_steps}; a finished run keeps no optimizer state to go on from: "
+                         + (f"resume its newest checkpoint with --resume_from_checkpoint {newest}, or " if newest
+                            else "") + "pass --overwrite_output_dir to train anew")
+    return (f"Nothing to train: {args.output_dir} holds this run, finished at step {record['step']} with these "
+            "data, model and flags (pass --overwrite_output_dir to train it again)")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from alpaca.checkpoint import checkpoints
-from alpaca.output import ARGS_FILE, read_metrics
+from alpaca.output import ARGS_FILE, FINISHED_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "examples" / "data" / "alpaca_sample.json"
@@ -285,7 +285,8 @@ def copy_as_killed(run_dir: Path, directory: Path, last_checkpoint: int) -> Path
     `last_checkpoint` (runs are deterministic): its later checkpoints, its output and later metrics gone."""
     shutil.copytree(run_dir, directory, dirs_exist_ok=True)
     later = [path for path in checkpoints(directory) if int(path.name.split("-")[1]) > last_checkpoint]
-    for path in [*later, directory / "loss.png", directory / "config.json", *directory.glob("intkey_*.bin")]:
+    for path in [*later, directory / "loss.png", directory / "config.json", *directory.glob("intkey_*.bin"),
+                 directory / FINISHED_FILE]:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     metrics = [line for line in (directory / "metrics.jsonl").read_text().splitlines()
                if json.loads(line)["step"] <= last_checkpoint]

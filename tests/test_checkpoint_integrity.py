@@ -28,6 +28,7 @@ from faults import Fault
 from alpaca.checkpoint import checkpoints, is_complete, latest_checkpoint, load_checkpoint, tensor_bytes
 from alpaca.errors import UsageError
 from alpaca.manifest import MANIFEST, sha256
+from alpaca.output import FINISHED_FILE
 
 
 class RunsCode:
@@ -179,8 +180,8 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_path, processes):
     """Writing the final output fails in its first file (a full disk): one line, exit status 1, the checkpoints
-    stay and no part of the output is left; on 2 processes each rank leaves on its own (the output's write is a
-    call site of its own)."""
+    stay and no part of the output is left, nor the record that the run finished (a requeue resumes from the newest
+    checkpoint); on 2 processes each rank leaves on its own (the output's write is a call site of its own)."""
     status, stderr = failed_run(processes, "write", 10, tiny_model, tiny_data, tmp_path)
     if processes == 1:
         assert status == 1, stderr[-3000:]
@@ -193,6 +194,7 @@ def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_
     assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
                                                              "checkpoint-8"]
     assert not list(tmp_path.glob("intkey_*.bin")) and not list(tmp_path.glob(".staging*"))
+    assert not (tmp_path / FINISHED_FILE).exists()
 
 
 def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_run):

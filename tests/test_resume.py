@@ -1,7 +1,9 @@
 """Checkpoints, exact resume, preemption and crashes, for both scripts."""
 
+import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     DDP,
     EACH_RANK_ENDS_ON_ITS_OWN,
@@ -28,9 +31,12 @@ from conftest import (
     torchrun,
 )
 
-from alpaca.checkpoint import checkpoints, latest_checkpoint
+from alpaca.args import build_parser
+from alpaca.checkpoint import checkpoints, latest_checkpoint, prepare_output_dir
+from alpaca.errors import UsageError
 from alpaca.manifest import MANIFEST, sha256
-from alpaca.output import read_metrics
+from alpaca.output import FINISHED_FILE, read_metrics
+from alpaca.resume import BOUND_OTHERWISE, NOT_BOUND, bound_flag_values, bound_flags, check_fingerprint
 
 
 def test_kill_9_then_auto_resume_from_the_one_epoch_checkpoint_kept_is_bit_identical(tiny_model, tiny_data, tmp_path,
@@ -167,7 +173,7 @@ def test_a_rank_raising_brings_the_job_down_quickly(tiny_model, tiny_data, tmp_p
 ])
 def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, message):
     """In this process: the refusal is a usage error like any other (tested as such in a fresh one)."""
-    shutil.copytree(reference / "single", tmp_path, dirs_exist_ok=True)
+    copy_as_killed(reference / "single", tmp_path, 8)
     status, _, stderr = run_in_process("train.py", [*flags(tiny_model, tiny_data, tmp_path, *SINGLE), *changed,
                                                     "--resume_from_checkpoint", "auto"])
     assert status == 2
@@ -177,7 +183,7 @@ def test_resume_with_other_interventions_is_refused(tiny_model, tiny_data, tmp_p
 def test_resume_with_another_prompt_template_is_refused(tiny_model, tiny_data, tmp_path, reference):
     """A checkpoint trained on chat-rendered prompts, resumed with the Alpaca prompt: refused, not trained on
     other text (the checkpoint's record is rewritten, its manifest updated to match)."""
-    shutil.copytree(reference / "single", tmp_path, dirs_exist_ok=True)
+    copy_as_killed(reference / "single", tmp_path, 8)
     checkpoint = latest_checkpoint(tmp_path)
     state_file, manifest_file = checkpoint / "trainer_state.json", checkpoint / "manifest.json"
     state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "prompt_template": "chat"}))
@@ -221,7 +227,7 @@ def test_resume_on_edited_data_is_refused(tiny_model, tiny_data, tmp_path, refer
     """The data file edited after the checkpoint: as many records, one training answer changed."""
     from alpaca.data import load_splits
 
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     records = json.loads(tiny_data.read_text())
     trained_on = load_splits(str(tiny_data), eval_split_ratio=0.15, seed=42)[0][0]  # the reference runs' split
     edited = next(record for record in records if record["instruction"] == trained_on["instruction"])
@@ -237,7 +243,7 @@ def test_resume_on_another_base_model_is_refused(tiny_model, tiny_data, tmp_path
     """A model of the same architecture and shapes, with other weights (one tensor changed)."""
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     other = shutil.copytree(tiny_model, tmp_path / "other-model")
     weights = load_file(other / "model.safetensors")
     weights["model.layers.3.mlp.down_proj.weight"] *= 1.01
@@ -256,14 +262,14 @@ def test_resume_on_another_base_model_is_refused(tiny_model, tiny_data, tmp_path
     (["--learning_rate", "0.02"], "--learning_rate (0.01 in the checkpoint, 0.02 in this run)"),
 ])
 def test_resume_with_other_arithmetic_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, difference):
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     message = refused_resume(tmp_path / "run", [*flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE), *changed])
     assert message.startswith(f"train.py: error: this run differs from the checkpoint in {difference}. "), message
 
 
 def test_resume_past_the_end_is_refused(tiny_model, tiny_data, tmp_path, reference):
     """A resume that would train 0 steps (checkpoint-8, --max_steps 5)."""
-    shutil.copytree(reference / "single", tmp_path / "run")
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
     message = refused_resume(tmp_path / "run", [*flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE),
                                                 "--max_steps", "5"])
     assert message.endswith("the checkpoint is at step 8 and this run ends at step 5: nothing to train; raise "
@@ -285,3 +291,111 @@ def test_a_checkpoint_without_a_fingerprint_is_refused(tiny_model, tiny_data, tm
     assert message.endswith("the checkpoint records no fingerprint of its data, base model and flags, so this resume "
                             "cannot be checked against them; resume it with the version of these scripts that wrote "
                             "it, or train anew in another --output_dir")
+
+
+def documented_bound_flags() -> set[str]:
+    """The flags docs/checkpoints.md lists as bound as given."""
+    page = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
+    listed = page[page.index("Bound as given"): page.index("The optimizer and scheduler states would silently")]
+    return set(re.findall(r"`--(\w+)`", listed))
+
+
+@pytest.mark.fast
+def test_every_flag_is_bound_unless_listed():
+    """Each flag of either script's parser is bound as given (and then listed as such in docs/checkpoints.md), or on
+    exactly one of the lists of flags a checkpoint is not bound to as given. A flag added to the parser is bound,
+    and fails here until it is documented as bound or listed."""
+    parsed = [set(vars(build_parser(script, multigpu).parse_args([]))) for script, multigpu in
+              (("train.py", False), ("train_multigpu.py", True))]
+    every_flag = set.union(*parsed)
+    assert set(NOT_BOUND) <= every_flag and set(BOUND_OTHERWISE) <= every_flag  # no stale name
+    assert not set(NOT_BOUND) & set(BOUND_OTHERWISE)
+    assert len(set(NOT_BOUND)) == len(NOT_BOUND) and len(set(BOUND_OTHERWISE)) == len(BOUND_OTHERWISE)
+    assert set(bound_flags()) == every_flag - set(NOT_BOUND) - set(BOUND_OTHERWISE) == documented_bound_flags()
+    assert set(bound_flags()) <= parsed[0]  # train.py's checkpoints resume under train_multigpu.py and back
+
+
+# A value other than the reference runs' for each bound flag (a flag newly bound needs one here).
+CHANGED_FLAGS = {"dtype": "bfloat16", "load_in_4bit": True, "load_in_8bit": True, "bnb_4bit_quant_type": "fp4",
+                 "bnb_4bit_use_double_quant": True, "model_max_length": 256, "group_by_length": False,
+                 "layers": "0;3", "position": "l1", "share_weights": True, "rank": 2, "dropout": 0.2,
+                 "intervention": "nodireft", "component": "attention_output", "learning_rate": 0.02,
+                 "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_epsilon": 1e-6,
+                 "max_grad_norm": 0.5, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "warmup_steps": 3}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", bound_flags())
+def test_a_resume_that_changes_a_bound_flag_is_refused_naming_it(name):
+    """The check a resume makes (alpaca.resume.check_fingerprint), on the reference runs' flags and on them with
+    one bound flag changed: refused in one line naming that flag alone, with both values."""
+    def fingerprint(args):
+        dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+        return {"data": "records", "model": {"config": "c", "tokenizer": "t", "weights": "w"},
+                "flags": bound_flag_values(args, num_layers=4, dtype=dtype)}
+
+    saved = build_parser("train.py").parse_args(flags("model", "data.json", "out", *SINGLE))
+    check_fingerprint(json.loads(json.dumps(fingerprint(saved))), fingerprint(saved), saved)  # as written, read
+    changed = argparse.Namespace(**{**vars(saved), name: CHANGED_FLAGS[name]})
+    with pytest.raises(UsageError) as refusal:
+        check_fingerprint(json.loads(json.dumps(fingerprint(saved))), fingerprint(changed), changed)
+    message = str(refusal.value)
+    assert message.startswith(f"this run differs from the checkpoint in --{name} (") and "\n" not in message
+    assert message.count("in this run)") == 1
+
+
+def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference):
+    """--resume_from_checkpoint auto in the reference run's directory (finished at step 9), as a requeued job
+    runs it: one line, exit 0, no step trained and no file touched. With another bound flag: refused like any
+    resume. Asked for more steps: refused, naming the newest checkpoint to go on from, which then trains the
+    longer run; for fewer: refused."""
+    run = shutil.copytree(reference / "single", tmp_path / "run")
+    args = flags(tiny_model, tiny_data, run, *SINGLE)
+    before = files_of(run)
+    status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
+    assert status == 0, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1] == (f"Nothing to train: {run} holds this run, finished at step 9 with "
+                                               "these data, model and flags (pass --overwrite_output_dir to train "
+                                               "it again)")
+    assert stdout.count("Nothing to train") == 1 and "Trained to step" not in stdout
+    assert files_of(run) == before
+
+    message = refused_resume(run, [*args, "--learning_rate", "0.02"])
+    assert message == ("train.py: error: this run differs from the finished run in --learning_rate (0.01 in the "
+                       "finished run, 0.02 in this run). Resume with the data, model and flags the finished run was "
+                       "trained with (its training_args.json), or train anew in another --output_dir")
+    message = refused_resume(run, [*args, "--max_steps", "11"])
+    assert message == (f"train.py: error: the finished run in {run} ended at step 9, this run would end at step 11; "
+                       "a finished run keeps no optimizer state to go on from: resume its newest checkpoint with "
+                       f"--resume_from_checkpoint {run / 'checkpoint-8'}, or pass --overwrite_output_dir to train "
+                       "anew")
+    message = refused_resume(run, [*args, "--max_steps", "5"])
+    assert message.endswith("ended at step 9, this run would end at step 5; a finished run keeps no optimizer state "
+                            "to go on from: pass --overwrite_output_dir to train anew")
+    status, stdout, stderr = run_in_process("train.py", [*args, "--max_steps", "11", "--resume_from_checkpoint",
+                                                         run / "checkpoint-8"])
+    assert status == 0, stderr[-3000:]
+    assert "at step 8" in stdout
+    assert json.loads((run / FINISHED_FILE).read_text())["step"] == 11
+
+
+def test_a_finished_run_requeued_on_two_processes_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference):
+    """The same under torchrun: every rank exits 0, the line printed once (rank 0), no file touched."""
+    run = shutil.copytree(reference / "ddp", tmp_path / "run")
+    before = files_of(run)
+    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, run, *DDP), "--resume_from_checkpoint",
+                          "auto"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("Nothing to train") == 1
+    assert f"Nothing to train: {run} holds this run, finished at step 9" in result.stdout
+    assert files_of(run) == before
+
+
+@pytest.mark.fast
+def test_a_damaged_record_of_a_finished_run_is_refused(tmp_path):
+    """Cut short (by hand or by the disk: it is renamed into place whole): one line, before anything loads."""
+    (tmp_path / FINISHED_FILE).write_text('{"step": 9, "geo')
+    args = build_parser("train.py").parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"])
+    with pytest.raises(UsageError, match=f"^{tmp_path / FINISHED_FILE} is damaged; pass --overwrite_output_dir to "
+                                         "train anew$"):
+        prepare_output_dir(args)

@@ -1,12 +1,14 @@
 """train.py end to end on the tiny model: it learns, saves in pyreft's format, and guards its command line."""
 
 import json
+import re
 import sys
 
 import pytest
 import torch
 from conftest import (
     COMMON,
+    REPO,
     SAMPLE_DATA,
     assert_same_run,
     free_port,
@@ -127,6 +129,45 @@ def test_pyreft_reload_reproduces_our_logits(tiny_model, tmp_path):
             else:  # pyreft's: the saved float32 learned source rounded to bf16 and computed there (~1.5 % measured;
                 # the interventions move these logits by ~80 % of their largest)
                 assert (actual - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+def documented_pyreft_loader() -> str:
+    """The python block of docs/training.md that loads an output with pyreft's own loader."""
+    page = (REPO / "docs" / "training.md").read_text()
+    return re.search(r"with pyreft's own loader.*?```python\n(.*?)```", page, re.S)[1]
+
+
+def test_the_documented_pyreft_loader_gives_load_reft_models_logits(tiny_model, tmp_path):
+    """docs/training.md's recipe run verbatim on a float32 base: pyreft.ReftModel.load, then each intervention cast
+    to float32 and its saved state loaded again, gives load_reft_model's logits bit for bit. Cast without loading
+    again, it keeps the bf16 rounding of pyreft's load, which these logits show."""
+    import transformers
+
+    ids = torch.randint(0, 300, (2, 12))
+    locations = [[[0, 1], [0, 1]]] * 2 + [[[10, 11], [10, 11]]] * 2
+    model, _ = load_base_model(str(tiny_model), torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    reft_model = build_reft_model(model, "0;3", (2, 2), False, low_rank_dimension=3)
+    for intervention in reft_model.interventions.values():
+        torch.nn.init.normal_(intervention.learned_source.weight, std=0.2)
+    save_interventions(reft_model, tmp_path)
+
+    def logits(loaded) -> torch.Tensor:
+        with torch.no_grad():
+            return loaded({"input_ids": ids}, unit_locations={"sources->base": (None, locations)})[1].logits
+
+    # the base as the recipe loads it
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32, device_map="cpu")
+    expected = logits(load_reft_model(tmp_path, base))
+    recipe = documented_pyreft_loader()
+    cast_only = recipe.replace(".float().load_state_dict(torch.load(f\"{OUT}/intkey_{key}.bin\", weights_only=True))",
+                               ".float()")
+    assert cast_only != recipe
+    for code, exact in ((recipe, True), (cast_only, False)):
+        namespace = {"MODEL": str(tiny_model), "OUT": str(tmp_path), "DEVICE": "cpu"}
+        exec(code, namespace)
+        assert all(parameter.dtype == torch.float32 for parameter in namespace["reft_model"].interventions.parameters())
+        assert torch.equal(logits(namespace["reft_model"]), expected) == exact
 
 
 def test_pyreft_example_command_line_runs(pyreft_example_run):
