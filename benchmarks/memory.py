@@ -7,6 +7,7 @@ the bf16 and the NF4 base ("fsdp_bf16", "fsdp_nf4"), on 1, 2 and 4 processes (CP
     python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp disk
     python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp bf16 nf4 int8 --steps 8
     python benchmarks/memory.py --models smollm2 --nproc 2 4 --strategies nf4 fsdp_nf4 fsdp_bf16
+    python benchmarks/memory.py --models random1b --nproc 2 4 --strategies nf4 fsdp_nf4 fsdp_bf16 --model_max_length 128
 
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
 runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
