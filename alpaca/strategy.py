@@ -230,6 +230,17 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)
+    if device.type == "cpu":
+        for unit in [model, *units]:
+            unit.register_forward_pre_hook(drop_deferred_all_gather)  # after FSDP's, which gathers the unit
+
+
+def drop_deferred_all_gather(unit: torch.nn.Module, args: tuple) -> None:
+    """FSDP2 keeps a unit's all-gather buffer (the whole unit, beside its gathered copy) until the next unit
+    gathers, so that on a GPU its copy-out overlaps the next all-gather on another stream. A CPU has no such
+    streams: the buffer only doubles the largest unit (a float32 LM head) for the length of its forward, so it is
+    freed as soon as the unit is gathered."""
+    unit._get_fsdp_state()._comm_ctx.all_gather_state = None
 
 
 def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:

@@ -7,6 +7,7 @@ the bf16 and the NF4 base ("fsdp_bf16", "fsdp_nf4"), on 1, 2 and 4 processes (CP
     python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp disk
     python benchmarks/memory.py --models smollm2 --nproc 1 --strategies ddp bf16 nf4 int8 --steps 8
     python benchmarks/memory.py --models smollm2 --nproc 2 4 --strategies nf4 fsdp_nf4 fsdp_bf16
+    python benchmarks/memory.py --models random1b --nproc 2 4 --strategies nf4 fsdp_nf4 fsdp_bf16 --model_max_length 128
 
 Each configuration is a real `torchrun train_multigpu.py` run of a few optimizer steps (batch 1). While it
 runs, each rank's /proc/<pid>/status is polled: VmHWM (peak resident memory: private memory plus the
@@ -48,26 +49,35 @@ STRATEGIES = {"ddp": [], "fsdp": ["--fsdp"],
               # --fsdp on the bf16 base, and on the NF4 base (each rank its rows of the packed weights)
               "fsdp_bf16": ["--fsdp", "--dtype", "bfloat16"], "fsdp_nf4": ["--fsdp", "--load_in_4bit"]}
 QUANTIZED = {"nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "int8": {"load_in_8bit": True}}
-# hidden 1536, 12 layers, SmolLM2's vocabulary (its tokenizer is used), untied: 0.49B parameters, 1.97 GB
-# in float32
-RANDOM_MODEL = dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
-                    num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False)
+# SmolLM2's vocabulary (its tokenizer is used), untied. "random": hidden 1536, 12 layers, 0.49B parameters,
+# 1.97 GB in float32. "random1b": hidden 2048, 16 layers, 1.02B parameters, of which 0.82B in the decoder's
+# linear layers (what --load_in_4bit quantizes), so that the sharded part of a 4-bit base outweighs its
+# float32 embeddings. Each with the layers it intervenes on.
+RANDOM_MODELS = {
+    "random": (dict(vocab_size=49152, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
+                    num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False), "4;8"),
+    "random1b": (dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False), "4;8"),
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["smollm2", "random"], choices=["smollm2", "random"])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "random"], choices=["smollm2", *RANDOM_MODELS])
     parser.add_argument("--nproc", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     parser.add_argument("--data_path", default=str(SHARED_DATA if SHARED_DATA.exists()
                                                    else REPO / "examples" / "data" / "alpaca_sample.json"))
+    parser.add_argument("--model_max_length", type=int, default=None,
+                        help="truncate every example to this many tokens: each rank's activations are then about "
+                             "the same at every number of processes, which otherwise draw different examples")
     parser.add_argument("--poll_s", type=float, default=0.05, help="how often each rank's memory is read")
     return parser.parse_args()
 
 
-def build_random_model(directory: Path) -> Path:
-    """RANDOM_MODEL in bfloat16 safetensors, with SmolLM2's tokenizer."""
+def build_random_model(directory: Path, config: dict) -> Path:
+    """A random Llama of `config` in bfloat16 safetensors, with SmolLM2's tokenizer."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -75,7 +85,7 @@ def build_random_model(directory: Path) -> Path:
 
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(LlamaConfig(**RANDOM_MODEL, initializer_range=0.02)).to(torch.bfloat16)
+        model = LlamaForCausalLM(LlamaConfig(**config, initializer_range=0.02)).to(torch.bfloat16)
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(directory)
     return directory
@@ -161,6 +171,7 @@ def measure(model_dir: Path, strategy: str, nproc: int, args: argparse.Namespace
                    args.data_path, "--output_dir", output_dir, "--max_steps", str(args.steps),
                    "--per_device_train_batch_size", "1", "--max_n_train_example", "64", "--layers", layers,
                    "--num_sample_answers", "0", "--logging_steps", "1", "--dtype", "float32",
+                   *(["--model_max_length", str(args.model_max_length)] if args.model_max_length else []),
                    *placement]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
         launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -194,9 +205,11 @@ def main() -> None:
         models = {}
         if "smollm2" in args.models:
             models["SmolLM2-135M"] = (embedded_model_dir(), "8;19")
-        if "random" in args.models:
-            print("Building the random model ...", flush=True)
-            models["random 0.49B (bf16 file)"] = (build_random_model(Path(scratch) / "random"), "4;8")
+        for name in [name for name in args.models if name in RANDOM_MODELS]:
+            print(f"Building the {name} model ...", flush=True)
+            config, layers = RANDOM_MODELS[name]
+            model_dir = build_random_model(Path(scratch) / name, config)
+            models[f"{name} {one_copy_bytes(model_dir) / 4e9:.2f}B (bf16 file)"] = (model_dir, layers)
         rows = []
         for model_name, (model_dir, layers) in models.items():
             copy = one_copy_bytes(model_dir)

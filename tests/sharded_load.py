@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -60,8 +61,15 @@ with releasing_process_group():
             torch.testing.assert_close(sharded.get_buffer(name), expected, rtol=0, atol=0, msg=name)
         assert uneven, "the test model should have a tensor that splits unevenly"
         ids = torch.arange(24).reshape(2, 12) % whole.config.vocab_size
+        # and no unit runs beside the previous unit's all-gather buffer (alpaca.strategy.drop_deferred_all_gather)
+        units = [module for module in sharded.modules() if isinstance(module, FSDPModule)]
+        held = []
+        for unit in units:
+            unit.register_forward_pre_hook(
+                lambda *_, held=held, root=sharded: held.append(root._get_fsdp_state()._comm_ctx.all_gather_state))
         with torch.no_grad():
             torch.testing.assert_close(sharded(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=0, atol=0)
+        assert held == [None] * len(units), f"{sum(state is not None for state in held)} units ran beside a buffer"
         if int(os.environ["RANK"]) == 0:
             print(f"ok: {dist.get_world_size()} ranks, tied={tied}")
 
