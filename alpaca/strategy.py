@@ -191,9 +191,9 @@ class FSDP(Strategy):
         check_replicated(self.parameters, self.device)
         return reft_model
 
-    def step(self) -> torch.Tensor:
+    def step(self, number: int) -> torch.Tensor:
         average_gradients(self.parameters)
-        return super().step()
+        return super().step(number)
 
 
 class ZeRO(Strategy):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAULTS, run_in_process, torchrun, training_flags
+from conftest import FAULTS, exit_statuses, run_in_process, torchrun, training_flags
 
 import alpaca.strategy
 from alpaca.checkpoint import load_checkpoint
@@ -56,16 +56,16 @@ def assert_all_finite(output_dir) -> None:
                 json.loads(line, parse_constant=reject_constant)
 
 
-def assert_stopped(status: int, stderr: str, output_dir, first_step: int, checkpoint_step: int) -> None:
-    """Exit DIVERGED_EXIT_CODE, the one line (once, whatever the number of ranks) naming the step and the newest
-    checkpoint, which is intact; nothing non-finite written, no checkpoint after the step, no output."""
-    assert status == DIVERGED_EXIT_CODE, stderr[-3000:]
+def assert_stopped(statuses: list[int], stderr: str, output_dir, first_step: int, checkpoint_step: int) -> None:
+    """Every process exits DIVERGED_EXIT_CODE; the one line (once, whatever the number of ranks) names the step and
+    the newest checkpoint, which is intact; nothing non-finite written, no checkpoint after the step, no output."""
+    assert statuses and set(statuses) == {DIVERGED_EXIT_CODE}, stderr[-3000:]
     lines = LINE.findall(stderr)
     assert len(lines) == 1, stderr[-3000:]
     step, newest = lines[0]
     assert int(step) == first_step and newest == str(output_dir / f"checkpoint-{checkpoint_step}")
-    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == [
-        f"checkpoint-{step}" for step in range(1, checkpoint_step + 1)]
+    assert max(int(path.name.removeprefix("checkpoint-")) for path in output_dir.glob("checkpoint-*")) == (
+        checkpoint_step)
     assert not list(output_dir.glob("intkey_*.bin")) and not (output_dir / "loss.png").exists()
     load_checkpoint(newest)  # intact: its manifest's checksums hold
     assert_all_finite(output_dir)
@@ -77,36 +77,36 @@ def test_a_diverging_run_stops_before_saving_and_its_checkpoint_resumes(tiny_mod
     output_dir = tmp_path / "out"
     args = training_flags(tiny_model, tiny_data, output_dir, *DIVERGING)
     status, _, stderr = run_in_process("train.py", args)
-    assert_stopped(status, stderr, output_dir, first_step=2, checkpoint_step=1)
+    assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
     status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
     assert f"resuming {output_dir / 'checkpoint-1'} at step 1" in stdout, stderr[-3000:]
-    assert_stopped(status, stderr, output_dir, first_step=2, checkpoint_step=1)
+    assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
 
 
 @pytest.mark.parametrize("strategy", [[], ["--fsdp", "full_shard"], ["--deepspeed", "ZERO2"]],
                          ids=["ddp", "fsdp", "zero2"])
 def test_a_diverging_run_stops_on_every_rank(tiny_model, tiny_data, tmp_path, strategy):
     """2 processes, under DDP, FSDP and ZeRO-2 (whose engine skips a step with a non-finite gradient itself):
-    every rank stops, rank 0 says why."""
+    every rank stops, rank 0 says why (tests/faults.py, with no fault, reports each rank's exit status)."""
     if strategy[:1] == ["--deepspeed"]:
         from test_deepspeed import config_file
         strategy = ["--deepspeed", str(config_file(tmp_path, 2))]
     output_dir = tmp_path / "out"
-    result = torchrun(2, ["train_multigpu.py", *training_flags(tiny_model, tiny_data, output_dir, *DIVERGING,
-                                                               *strategy)])
-    assert_stopped(result.returncode, result.stderr, output_dir, first_step=2, checkpoint_step=1)
+    result = torchrun(2, [FAULTS, "train_multigpu.py", *training_flags(tiny_model, tiny_data, output_dir,
+                                                                       *DIVERGING, *strategy)])
+    assert_stopped(exit_statuses(result.stderr), result.stderr, output_dir, first_step=2, checkpoint_step=1)
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank(tiny_model, tiny_data, tmp_path):
     """Rank 1's loss is inf at step 3, its gradient finite: rank 0 sees nothing itself, and stops all the same."""
     output_dir = tmp_path / "out"
-    args = training_flags(tiny_model, tiny_data, output_dir, "--max_steps", "6", "--save_steps", "2",
+    args = training_flags(tiny_model, tiny_data, output_dir, "--max_steps", "6", "--save_strategy", "steps",
+                          "--save_steps", "2",
                           "--logging_steps", "1", "--num_sample_answers", "0", "--per_device_train_batch_size", "2")
     result = torchrun(2, [FAULTS, "train_multigpu.py", *args], env={"FAULT": "inf_loss", "FAULT_STEP": "3",
                                                                     "FAULT_RANK": "1"})
-    assert_stopped(result.returncode, result.stderr, output_dir, first_step=3, checkpoint_step=2)
+    assert_stopped(exit_statuses(result.stderr), result.stderr, output_dir, first_step=3, checkpoint_step=2)
     assert [record["loss"] for record in read_metrics(output_dir)][2] is None  # step 3's window, logged as null
-    assert "exit status 3" in result.stderr and result.stderr.count("exit status 3") == 2, result.stderr[-3000:]
 
 
 @pytest.mark.fast
