@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
 from alpaca.collate import Collator, StepCollator, give_step_counts, step_counts
 from alpaca.data import load_splits, prepare_dataset
+from alpaca.divergence import exit_if_diverged
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_position
 from alpaca.generation import sample_answers
@@ -127,6 +128,7 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
 
     def checkpoint(epoch: int, next_batch: int):
         """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the global batch plan."""
+        exit_if_diverged(strategy, PROG, args.output_dir, metrics)
         trainer_state = TrainerState(
             step=step, epoch=epoch, next_batch=next_batch, window=window.totals().tolist(),
             optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), rng=[rng_state(gpus)],
@@ -169,7 +171,7 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
                 summed_loss = summed_token_loss(train_model, batch, device)
                 strategy.backward(token_weighted_loss(summed_loss, step_label_tokens))
                 window.add(summed_loss, batch)
-            grad_norm = strategy.step()
+            grad_norm = strategy.step(step + 1)
             step += 1
             progress.update()
             if schedule.should_log(step):
@@ -177,6 +179,8 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
                 now = time.perf_counter()
                 metrics.write(train_record(step, schedule.steps_per_epoch, logged.tolist(), learning_rate,
                                            float(grad_norm), now - window_start, now - train_start), progress)
+                # the host has read this step: where one was not finite, stop before anything is saved
+                exit_if_diverged(strategy, PROG, args.output_dir, metrics)
                 window.reset()
                 window_start = time.perf_counter()
             if schedule.should_evaluate(step, end_of_epoch):
@@ -196,6 +200,7 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
     train_time = time.perf_counter() - train_start - eval_time
 
     # -- output ---------------------------------------------------------------------------------------
+    exit_if_diverged(strategy, PROG, args.output_dir, metrics)
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
                if args.num_sample_answers > 0 else None)
     save_output(reft_model, metrics, args.output_dir, finished_record(step, args, 1, len(dataset), fingerprint))

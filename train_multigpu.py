@@ -46,6 +46,7 @@ from alpaca.distributed import (
     releasing_process_group,
     run_checked,
 )
+from alpaca.divergence import exit_if_diverged
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_position
 from alpaca.generation import sample_answers
@@ -181,6 +182,7 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
 
     def checkpoint(epoch: int, next_batch: int):
         """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
+        exit_if_diverged(strategy, PROG, args.output_dir, metrics, is_main)
         rng_states = [None] * world_size
         dist.all_gather_object(rng_states, rng_state(gpus))
         logged_so_far = window.totals()  # the logging window so far, summed over ranks
@@ -222,7 +224,7 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
             learning_rate = scheduler.get_last_lr()[0]
             backward_step(strategy, train_model, micro_batches, sampler.micro_steps(index), placeholder,
                           step_label_tokens, window, device, gpus)
-            grad_norm = strategy.step()
+            grad_norm = strategy.step(step + 1)
             step += 1
             progress.update()
             if schedule.should_log(step):
@@ -232,6 +234,8 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
                     now = time.perf_counter()
                     metrics.write(train_record(step, schedule.steps_per_epoch, logged.tolist(), learning_rate,
                                                float(grad_norm), now - window_start, now - train_start), progress)
+                # the host has read this step: where one was not finite, stop before anything is saved
+                exit_if_diverged(strategy, PROG, args.output_dir, metrics, is_main)
                 window.reset()
                 window_start = time.perf_counter()
             if schedule.should_evaluate(step, end_of_epoch):
@@ -255,6 +259,7 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
 
     # -- output: throughput and peak memory of every rank; rank 0 writes, and if that fails every rank exits
     # with an error instead of hanging. A sharded base answers only with every rank taking part.
+    exit_if_diverged(strategy, PROG, args.output_dir, metrics, is_main)
     throughput = gather_rank_report(window.tokens_seen / train_time, base_bytes, device)
     answers = (sample_answers(reft_model, tokenizer, args, position, num_layers, synced_ranks=strategy.shards_base)
                if args.num_sample_answers > 0 and (is_main or strategy.shards_base) else None)

@@ -85,12 +85,42 @@ def build_optimizer(reft_model, args: argparse.Namespace, schedule: StepSchedule
 
 
 def clip_and_step(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler,
-                  max_grad_norm: float) -> torch.Tensor:
-    """Clip to --max_grad_norm (0 disables), step the optimizer and the schedule, clear the gradients. Returns
-    the norm before clipping, on the device: reading it would make the host wait for the step, so it is read
-    only when logged."""
+                  max_grad_norm: float, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip to --max_grad_norm (0 disables), step the optimizer (undone where the step's `loss` or gradient norm
+    is not finite) and the schedule, clear the gradients. Returns the norm before clipping and whether the step
+    was undone, on the device: reading them would make the host wait for the step, so they are read only when
+    logged or before something is saved."""
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm if max_grad_norm > 0 else math.inf)
-    optimizer.step()
+    skipped = non_finite(loss, grad_norm)
+    masked_step(optimizer, skipped)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm, skipped
+
+
+def non_finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """True on the device where the step's loss or gradient norm is inf or NaN. The loss is checked too: an
+    infinite loss need not make the gradient non-finite (a loss clamped or detached on the way, a term whose
+    gradient vanishes)."""
+    return ~(torch.isfinite(loss).to(grad_norm.device) & torch.isfinite(grad_norm))
+
+
+def masked_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step(), undone on the device where `skip` is true, as GradScaler's skipped step (which only torch's
+    fused optimizers take, and then with their own numerics): the parameters and the optimizer state are put back
+    as they were, the state a first step creates back to zeros, AdamW's fresh state. The host never reads `skip`.
+    A step count that torch keeps on the host while `skip` is on a GPU (AdamW but fused or capturable) counts the
+    undone step: only the first undone step matters, since the run stops at the next point it reads `skip`,
+    before anything is saved. The trainable parameters are a few thousand values: copying them is cheap."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in parameters]
+    before_state = {(index, key): value.clone() for index, p in enumerate(parameters)
+                    for key, value in optimizer.state.get(p, {}).items() if isinstance(value, torch.Tensor)}
+    optimizer.step()
+    after = [*zip((p.detach() for p in parameters), before),
+             *((value, before_state.get((index, key))) for index, p in enumerate(parameters)
+               for key, value in optimizer.state.get(p, {}).items() if isinstance(value, torch.Tensor))]
+    for tensor, old in after:
+        if tensor.device.type == skip.device.type:
+            old = torch.zeros_like(tensor) if old is None else old
+            tensor.copy_(torch.where(skip.to(tensor.device, non_blocking=True), old, tensor))

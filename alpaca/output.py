@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import netrc
 import os
 import pickle
@@ -190,7 +191,7 @@ class MetricsLog:
         continues the same wandb run."""
         self.path = Path(directory) / METRICS_FILE
         kept = [r for r in read_metrics(directory) if r["step"] <= resume_step] if resume_step else []
-        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        self.path.write_text("".join(json_line(record) for record in kept))
         self.wandb_run = (start_wandb(args, {**vars(args), **resolved}, wandb_run_id)
                           if args.report_to == "wandb" else None)
         self.postfix: dict[str, str] = {}
@@ -202,10 +203,11 @@ class MetricsLog:
     def write(self, record: dict, progress=None) -> None:
         """Append the record; with a tqdm `progress` bar, show it there (evaluations also as a line)."""
         with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
+            file.write(json_line(record))
         if self.wandb_run is not None:
             self.wandb_run.log({key.replace("eval_", "eval/", 1) if key.startswith("eval_") else f"train/{key}": value
-                                for key, value in record.items() if key != "step"}, step=record["step"])
+                                for key, value in finite_or_none(record).items() if key != "step"},
+                               step=record["step"])
         if progress is None:
             return
         if "eval_loss" in record:
@@ -260,6 +262,17 @@ def start_wandb(args: argparse.Namespace, config: dict, run_id: str | None = Non
     return run
 
 
+def finite_or_none(record: dict) -> dict:
+    """The record with a NaN or infinite number as None: JSON (RFC 8259) has no NaN or Infinity, which
+    json.dumps writes as bare tokens that strict parsers refuse."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
+
+
+def json_line(record: dict) -> str:
+    return json.dumps(finite_or_none(record), allow_nan=False) + "\n"
+
+
 def read_metrics(directory: str | os.PathLike) -> list[dict]:
     path = Path(directory) / METRICS_FILE
     if not path.exists():
@@ -277,7 +290,9 @@ def plot_loss(directory: str | os.PathLike) -> Path:
     records = read_metrics(directory)
     figure, axis = plt.subplots(figsize=(6, 3.5))
     for key, label, style in (("loss", "train loss", "-"), ("eval_loss", "eval loss", "o-")):
-        points = [(record["step"], record[key]) for record in records if key in record]
+        # a value that was not finite (null) leaves a gap in the line
+        points = [(record["step"], math.nan if record[key] is None else record[key])
+                  for record in records if key in record]
         if points:
             axis.plot(*zip(*points), style, label=label)
     axis.set_xlabel("optimizer step")

@@ -8,7 +8,8 @@ calls the same methods whatever runs:
     for micro_step, batch in ...:                       # plus strategy.placeholders(missing) zero-weight ones
         with strategy.micro_step(last=...):             # DDP: no_sync() but on the last micro-batch
             strategy.backward(loss)
-    grad_norm = strategy.step()                         # reduce, clip, step the optimizer and the schedule
+    grad_norm = strategy.step(step + 1)                 # reduce, clip, step optimizer and schedule (not a NaN step)
+    strategy.first_non_finite_step()                    # at logging and save points: the first non-finite step or None
     with strategy.gathered(): ...                       # ZeRO-3: the interventions whole on every rank
     strategy.optimizer_state()                          # torch's AdamW format, however it is partitioned
 
@@ -34,9 +35,11 @@ from alpaca.device_map import DeviceMap
 from alpaca.errors import UsageError
 from alpaca.layers import decoder_layers
 from alpaca.model import intervention_parameters, load_base_model
-from alpaca.optim import clip_and_step
+from alpaca.optim import clip_and_step, non_finite
 from alpaca.sharding import load_shards, return_freed_buffers_to_the_os
 from alpaca.workarounds import index_tensors_on
+
+NO_STEP = torch.iinfo(torch.int64).max  # no non-finite step yet: above every step, for an all-reduce MIN
 
 
 class Strategy:
@@ -66,6 +69,7 @@ class Strategy:
             self.device_map.place(reft_model)
         self.reft_model, self.optimizer, self.scheduler = reft_model, optimizer, scheduler
         self.parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+        self.watch_finiteness()
         if optimizer_state is not None:
             optimizer.load_state_dict(optimizer_state)
         return reft_model
@@ -78,12 +82,41 @@ class Strategy:
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def watch_finiteness(self) -> None:
+        """The step's loss, summed over its micro-batches, and the first step found non-finite (NO_STEP: none),
+        kept on the device: the host reads them only where it reads the device anyway."""
+        self.step_loss = torch.zeros((), device=self.device)
+        self.first_non_finite = torch.tensor(NO_STEP, device=self.device)
+
     def backward(self, loss: torch.Tensor) -> None:
+        self.step_loss += loss.detach().to(self.device)
+        self.differentiate(loss)
+
+    def differentiate(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> torch.Tensor:
-        """Clip and step once the step's micro-batches are done; returns the gradient norm before clipping."""
-        return clip_and_step(self.parameters, self.optimizer, self.scheduler, self.max_grad_norm)
+    def step(self, number: int) -> torch.Tensor:
+        """Clip and step once the step's micro-batches are done, unless the loss or the gradient norm is not finite
+        (then the parameters and optimizer state are left as they were, and step `number` is noted); returns the
+        gradient norm before clipping."""
+        grad_norm, skipped = clip_and_step(self.parameters, self.optimizer, self.scheduler, self.max_grad_norm,
+                                           self.step_loss)
+        self.note_non_finite(skipped, number)
+        return grad_norm
+
+    def note_non_finite(self, skipped: torch.Tensor, number: int) -> None:
+        self.first_non_finite = torch.where(skipped.to(self.device), self.first_non_finite.clamp(max=number),
+                                            self.first_non_finite)
+        self.step_loss.zero_()
+
+    def first_non_finite_step(self) -> int | None:
+        """The first step whose loss or gradient norm was not finite on any rank, or None: a host read, and under
+        torch.distributed a collective (every rank calls it)."""
+        first = self.first_non_finite.clone()
+        if dist.is_initialized():
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        step = int(first.item())
+        return None if step == NO_STEP else step
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -158,9 +191,9 @@ class FSDP(Strategy):
         check_replicated(self.parameters, self.device)
         return reft_model
 
-    def step(self) -> torch.Tensor:
+    def step(self, number: int) -> torch.Tensor:
         average_gradients(self.parameters)
-        return super().step()
+        return super().step(number)
 
 
 class ZeRO(Strategy):
@@ -193,17 +226,23 @@ class ZeRO(Strategy):
             zero.partition_base(reft_model.model, self.model_path, self.config, self.device, self.cache_dir)
             reft_model.interventions.to(self.device)  # left on the CPU by a base built on meta
         self.engine = zero.initialize(reft_model, optimizer, scheduler, self.config)
+        self.watch_finiteness()
         if optimizer_state is not None:  # into the partitions, which exist once the engine does
             zero.load_optimizer_state(self.engine, optimizer, self.parameter_groups, optimizer_state)
         with self.gathered():  # ZeRO-3 partitions them: compare them whole
             check_replicated([p for group in self.parameter_groups for p in group], self.device)
         return self.engine
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def differentiate(self, loss: torch.Tensor) -> None:
         zero.micro_step(self.engine, loss)
 
-    def step(self) -> torch.Tensor:
-        return self.engine.get_global_grad_norm()  # it clipped and stepped in the last micro-batch's backward
+    def step(self, number: int) -> torch.Tensor:
+        """The engine clipped and stepped in the last micro-batch's backward. ZeRO-1/2 skip a step whose gradient
+        is not finite (DeepSpeed's own overflow check) and report its norm as inf; a step with a non-finite loss
+        but a finite gradient is applied, and noted, so that the run stops before it saves."""
+        grad_norm = torch.as_tensor(self.engine.get_global_grad_norm(), device=self.device)
+        self.note_non_finite(non_finite(self.step_loss, grad_norm), number)
+        return grad_norm
 
     def gathered(self) -> contextlib.AbstractContextManager:
         return zero.gathered(self.reft_model.interventions, self.config)

@@ -1,11 +1,13 @@
 """Run train.py or train_multigpu.py with a fault injected at an optimizer step, for the fault tests.
 
-    FAULT=kill|raise|sigterm|sigint|write|enospc FAULT_STEP=k [FAULT_RANK=r] python tests/faults.py train.py <flags>
+    FAULT=kill|raise|sigterm|sigint|write|enospc|inf_loss FAULT_STEP=k [FAULT_RANK=r] \
+        python tests/faults.py train.py <flags>
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
 `write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
 fail in its first tensor file, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving
-a partial file.
+a partial file. `inf_loss` adds inf to each of rank r's micro-batch losses of step k: a non-finite loss on that
+rank alone, whose gradient stays finite.
 Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
 has returned, and the exit status it asks for, are printed last to stderr: a group destroyed for good leaves
 no thread.
@@ -15,6 +17,7 @@ In a test's own process (faults that need no process of their own):
 """
 
 import errno
+import math
 import os
 import signal
 import sys
@@ -25,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
 import alpaca.deepspeed  # noqa: E402
+import alpaca.loss  # noqa: E402
 import alpaca.output  # noqa: E402
 import alpaca.strategy  # noqa: E402
 
@@ -41,7 +45,8 @@ class Fault:
                          (alpaca.output, "save_interventions", self.save_interventions),  # the final output
                          (alpaca.checkpoint, "save_interventions", self.save_interventions),  # checkpoints
                          (alpaca.checkpoint, "save_checkpoint", self.save_checkpoint),
-                         (alpaca.checkpoint, "write_file", self.write_file)]
+                         (alpaca.checkpoint, "write_file", self.write_file),
+                         (alpaca.loss, "summed_token_loss", self.summed_token_loss)]
         self.original = {(module, name): getattr(module, name) for module, name, _ in self.replaced}
 
     def __enter__(self):
@@ -72,6 +77,12 @@ class Fault:
         if engine.is_gradient_accumulation_boundary():  # the step's last micro-batch: DeepSpeed updates after it
             self.count_step()
         return self.original[alpaca.deepspeed, "micro_step"](engine, loss)
+
+    def summed_token_loss(self, *args, **kwargs):
+        loss = self.original[alpaca.loss, "summed_token_loss"](*args, **kwargs)
+        if self.mode == "inf_loss" and self.steps == self.fault_step - 1 and self.on_this_rank:
+            return loss + math.inf
+        return loss
 
     def save_interventions(self, *args, **kwargs):
         save_interventions = self.original[alpaca.output, "save_interventions"]

@@ -1,0 +1,34 @@
+"""A diverging run stops: the loss or gradient norm of a step is not finite. The strategy undoes such a step on the
+device and notes it (alpaca.strategy.Strategy.step); the scripts ask at the points where the host reads the device
+anyway (a logging step, before a checkpoint, before the output) and stop there, before anything is saved."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tqdm.auto import tqdm
+
+from alpaca.checkpoint import latest_checkpoint
+
+DIVERGED_EXIT_CODE = 3  # neither a usage error (2) nor a crash or failed write (1): a requeue would diverge again
+
+
+def exit_if_diverged(strategy, prog: str, output_dir: str | os.PathLike, metrics=None, is_main: bool = True) -> None:
+    """Every rank calls it (a collective under torch.distributed). If a step was not finite, rank 0 (`is_main`)
+    closes its log and says, in one line, which step and where to resume from; every rank exits
+    DIVERGED_EXIT_CODE."""
+    first = strategy.first_non_finite_step()
+    if first is None:
+        return
+    if is_main:
+        if metrics is not None:
+            metrics.close()
+        newest = latest_checkpoint(output_dir)
+        saved = f"newest checkpoint: {newest}" if newest is not None else "no checkpoint was saved before it"
+        # tqdm.write: on a line of its own, under the progress bar
+        tqdm.write(f"{prog}: error: the loss or gradient norm is not finite (NaN or inf) at step {first}, which was "
+                   f"not applied; nothing was saved after it ({saved}). Train again with a lower --learning_rate: "
+                   "a resume keeps the learning rate its checkpoint is bound to", file=sys.stderr)
+        sys.stderr.flush()  # before torchrun's report of the failed ranks
+    sys.exit(DIVERGED_EXIT_CODE)

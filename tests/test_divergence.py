@@ -1,0 +1,192 @@
+"""A diverging run stops: a step whose loss or gradient norm is not finite is not applied, the run ends on every
+rank with one line naming that step and the newest checkpoint, and nothing it writes holds a NaN or an inf; the
+check adds no host read to the step."""
+
+import argparse
+import collections
+import json
+import math
+import re
+import sys
+
+import pytest
+import torch
+from conftest import FAULTS, exit_statuses, run_in_process, torchrun, training_flags
+
+import alpaca.strategy
+from alpaca.checkpoint import load_checkpoint
+from alpaca.divergence import DIVERGED_EXIT_CODE
+from alpaca.optim import clip_and_step
+from alpaca.output import MetricsLog, plot_loss, read_metrics
+
+# A learning rate that sends the tiny model's interventions to ~1e30 at step 1: its loss is NaN from step 2. A
+# checkpoint after every step, and a log every 3 steps: the stop comes at the save point after step 2.
+DIVERGING = ["--learning_rate", "1e30", "--max_steps", "6", "--save_steps", "1", "--logging_steps", "3",
+             "--save_strategy", "steps", "--num_sample_answers", "0", "--per_device_train_batch_size", "2"]
+LINE = re.compile(r"(?:train\.py|train_multigpu\.py): error: the loss or gradient norm is not finite \(NaN or inf\) "
+                  r"at step (\d+), which was not applied; nothing was saved after it \(newest checkpoint: (\S+)\)\. "
+                  r"Train again with a lower --learning_rate")
+
+
+def reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def assert_all_finite(output_dir) -> None:
+    """Every tensor file (interventions, checkpoints) and every JSON file strictly parsed: no NaN, no inf."""
+    for path in sorted(output_dir.rglob("*")):
+        if path.suffix in (".bin", ".pt"):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            # the RNG states are no values of the run (Python's keeps a NaN for "no Gaussian pending")
+            stack = [value for key, value in state.items() if key != "rng"]
+            tensors = []
+            while stack:
+                item = stack.pop()
+                if isinstance(item, dict):
+                    stack.extend(item.values())
+                elif isinstance(item, list | tuple):
+                    stack.extend(item)
+                elif isinstance(item, torch.Tensor) and item.is_floating_point():
+                    tensors.append(item)
+            assert tensors and all(torch.isfinite(t).all() for t in tensors), path
+        elif path.suffix == ".json":
+            json.loads(path.read_text(), parse_constant=reject_constant)
+        elif path.suffix == ".jsonl":
+            for line in path.read_text().splitlines():
+                json.loads(line, parse_constant=reject_constant)
+
+
+def assert_stopped(statuses: list[int], stderr: str, output_dir, first_step: int, checkpoint_step: int) -> None:
+    """Every process exits DIVERGED_EXIT_CODE; the one line (once, whatever the number of ranks) names the step and
+    the newest checkpoint, which is intact; nothing non-finite written, no checkpoint after the step, no output."""
+    assert statuses and set(statuses) == {DIVERGED_EXIT_CODE}, stderr[-3000:]
+    lines = LINE.findall(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    step, newest = lines[0]
+    assert int(step) == first_step and newest == str(output_dir / f"checkpoint-{checkpoint_step}")
+    assert max(int(path.name.removeprefix("checkpoint-")) for path in output_dir.glob("checkpoint-*")) == (
+        checkpoint_step)
+    assert not list(output_dir.glob("intkey_*.bin")) and not (output_dir / "loss.png").exists()
+    load_checkpoint(newest)  # intact: its manifest's checksums hold
+    assert_all_finite(output_dir)
+
+
+def test_a_diverging_run_stops_before_saving_and_its_checkpoint_resumes(tiny_model, tiny_data, tmp_path):
+    """One process: stopped at step 2 with checkpoint-1 named; resumed from it, the run diverges again at
+    step 2 (a resume keeps the learning rate) and stops the same way."""
+    output_dir = tmp_path / "out"
+    args = training_flags(tiny_model, tiny_data, output_dir, *DIVERGING)
+    status, _, stderr = run_in_process("train.py", args)
+    assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
+    status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
+    assert f"resuming {output_dir / 'checkpoint-1'} at step 1" in stdout, stderr[-3000:]
+    assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
+
+
+@pytest.mark.parametrize("strategy", [[], ["--fsdp", "full_shard"], ["--deepspeed", "ZERO2"]],
+                         ids=["ddp", "fsdp", "zero2"])
+def test_a_diverging_run_stops_on_every_rank(tiny_model, tiny_data, tmp_path, strategy):
+    """2 processes, under DDP, FSDP and ZeRO-2 (whose engine skips a step with a non-finite gradient itself):
+    every rank stops, rank 0 says why (tests/faults.py, with no fault, reports each rank's exit status)."""
+    if strategy[:1] == ["--deepspeed"]:
+        from test_deepspeed import config_file
+        strategy = ["--deepspeed", str(config_file(tmp_path, 2))]
+    output_dir = tmp_path / "out"
+    result = torchrun(2, [FAULTS, "train_multigpu.py", *training_flags(tiny_model, tiny_data, output_dir,
+                                                                       *DIVERGING, *strategy)])
+    assert_stopped(exit_statuses(result.stderr), result.stderr, output_dir, first_step=2, checkpoint_step=1)
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank(tiny_model, tiny_data, tmp_path):
+    """Rank 1's loss is inf at step 3, its gradient finite: rank 0 sees nothing itself, and stops all the same."""
+    output_dir = tmp_path / "out"
+    args = training_flags(tiny_model, tiny_data, output_dir, "--max_steps", "6", "--save_strategy", "steps",
+                          "--save_steps", "2",
+                          "--logging_steps", "1", "--num_sample_answers", "0", "--per_device_train_batch_size", "2")
+    result = torchrun(2, [FAULTS, "train_multigpu.py", *args], env={"FAULT": "inf_loss", "FAULT_STEP": "3",
+                                                                    "FAULT_RANK": "1"})
+    assert_stopped(exit_statuses(result.stderr), result.stderr, output_dir, first_step=3, checkpoint_step=2)
+    assert [record["loss"] for record in read_metrics(output_dir)][2] is None  # step 3's window, logged as null
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged(fused):
+    """A NaN gradient, an inf loss with a finite gradient, and a NaN gradient at the very first step: the
+    parameters and AdamW's state (its step count too) stay bit for bit as they were. A finite step is
+    torch's own, bit for bit."""
+    torch.manual_seed(0)
+    parameters = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in parameters]
+    optimizer = torch.optim.AdamW(parameters, lr=0.1, weight_decay=0.1, fused=fused)
+    reference = torch.optim.AdamW(twins, lr=0.1, weight_decay=0.1, fused=fused)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+    def step(gradients, loss) -> torch.Tensor:
+        for parameter, gradient in zip(parameters, gradients):
+            parameter.grad = gradient.clone()
+        return clip_and_step(parameters, optimizer, schedule, 1.0, torch.tensor(loss))[1]
+
+    def snapshot() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in parameters] + [
+            value.clone() for p in parameters for value in optimizer.state[p].values()]
+
+    nan_gradients = [torch.full_like(p, math.nan) for p in parameters]
+    assert step(nan_gradients, 1.0)  # the first step: AdamW's state, made by this step, is back to zeros
+    assert all(torch.equal(p, twin) for p, twin in zip(parameters, twins))
+    assert all(not value.any() for p in parameters for value in optimizer.state[p].values())
+    for _ in range(2):
+        gradients = [torch.randn_like(p) for p in parameters]
+        assert not step(gradients, 1.0)
+        for twin, gradient in zip(twins, gradients):
+            twin.grad = gradient.clone()
+        torch.nn.utils.clip_grad_norm_(twins, 1.0)
+        reference.step()
+        assert all(torch.equal(p, twin) for p, twin in zip(parameters, twins))
+    for gradients, loss in ((nan_gradients, 1.0), ([torch.randn_like(p) for p in parameters], math.inf)):
+        before = snapshot()
+        assert step(gradients, loss)
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(), before, strict=True))
+
+
+def test_metrics_are_strict_json_and_the_plot_draws_a_gap(tmp_path):
+    """A non-finite value is written as null (RFC 8259 has no NaN), read back as None, and loss.png draws."""
+    log = MetricsLog(tmp_path, argparse.Namespace(report_to="none"))
+    for step, loss in ((1, 2.0), (2, math.nan), (3, math.inf), (4, 1.5)):
+        log.write({"step": step, "loss": loss, "grad_norm": -math.inf if step == 3 else 1.0})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert [record["loss"] for record in read_metrics(tmp_path)] == [2.0, None, None, 1.5]
+    assert plot_loss(tmp_path).stat().st_size > 1000
+
+
+def test_the_step_reads_nothing_from_the_device(tiny_model, tiny_data, tmp_path, monkeypatch):
+    """On a GPU, a host read of a device tensor (item, tolist, bool, float, int, index) waits for the step
+    (benchmarks/sync_count.py counts them there). On the CPU, each such call from outside torch is counted by
+    step: none in a step that neither logs nor saves (the collator's counts are the host's own tensors, built
+    in DataLoader workers), and the logging step reads (the counter works)."""
+    steps, reads = [0], collections.Counter()
+    stepping = alpaca.strategy.clip_and_step
+
+    def counting_steps(*args, **kwargs):
+        steps[0] += 1
+        return stepping(*args, **kwargs)
+
+    def counting_reads(method):
+        def counted(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "/torch/" not in caller and not caller.endswith("collate.py"):
+                reads[steps[0]] += 1
+            return method(self, *args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(alpaca.strategy, "clip_and_step", counting_steps)
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting_reads(getattr(torch.Tensor, name)))
+    status, _, stderr = run_in_process("train.py", training_flags(
+        tiny_model, tiny_data, tmp_path / "out", "--max_steps", "6", "--logging_steps", "100", "--save_strategy",
+        "no", "--num_sample_answers", "0", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"))
+    monkeypatch.undo()
+    assert status == 0, stderr[-3000:]
+    assert [reads[step] for step in range(1, 6)] == [0] * 5, reads  # steps 1-5 do not log
+    assert reads[6] > 0  # step 6, the last, logs: its loss, grad norm, and whether a step was non-finite
