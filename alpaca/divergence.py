@@ -25,10 +25,11 @@ def exit_if_diverged(strategy, prog: str, output_dir: str | os.PathLike, metrics
         if metrics is not None:
             metrics.close()
         newest = latest_checkpoint(output_dir)
-        saved = f"newest checkpoint: {newest}" if newest is not None else "no checkpoint was saved before it"
+        way_on = (f"resume its newest checkpoint with a lower learning rate: --resume_from_checkpoint {newest} "
+                  "--learning_rate <lower>" if newest is not None
+                  else "no checkpoint was saved before it: train again with a lower --learning_rate")
         # tqdm.write: on a line of its own, under the progress bar
         tqdm.write(f"{prog}: error: the loss or gradient norm is not finite (NaN or inf) at step {first}, which was "
-                   f"not applied; nothing was saved after it ({saved}). Train again with a lower --learning_rate: "
-                   "a resume keeps the learning rate its checkpoint is bound to", file=sys.stderr)
+                   f"not applied, and nothing was saved after it; {way_on}", file=sys.stderr)
         sys.stderr.flush()  # before torchrun's report of the failed ranks
     sys.exit(DIVERGED_EXIT_CODE)

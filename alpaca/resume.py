@@ -69,9 +69,10 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
         raise UsageError(f"the checkpoint is at step {saved['step']} and this run ends at step {total_steps}: "
                          "nothing to train; raise --max_steps or --num_train_epochs (the checkpoint loads as an "
                          "output as it is)")
+    scheduler.load_state_dict(saved["scheduler"])
+    resume_learning_rate(scheduler, saved["optimizer"], args.learning_rate)
     if optimizer is not None:
         optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
     if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
         restore_rng_state(saved["rng"][rank], gpus)
     # The saved window is the sum over ranks. Its loss part carries on, so the logged loss is an uninterrupted
@@ -79,6 +80,20 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
     loss_sum, label_tokens, _ = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]
     window = [loss_sum, label_tokens, 0.0]
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
+
+
+def resume_learning_rate(scheduler, optimizer_state: dict, learning_rate: float) -> None:
+    """The schedule goes on from its step at this run's --learning_rate: the way on from a diverging run's newest
+    checkpoint is a lower one (alpaca.divergence). The saved optimizer groups take the schedule's rate, which loading
+    them restores; with the checkpoint's own --learning_rate every value is the saved one, bit for bit."""
+    saved_peak = scheduler.base_lrs[0]
+    if learning_rate != saved_peak:
+        print(f"Resuming at --learning_rate {learning_rate} (the checkpoint's: {saved_peak}); the schedule goes on "
+              f"from step {scheduler.last_epoch} at the new peak")
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    scheduler._last_lr = [learning_rate * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
+    for group, rate in zip(optimizer_state["param_groups"], scheduler._last_lr, strict=True):
+        group.update(lr=rate, initial_lr=learning_rate)
 
 
 # A checkpoint is bound to every flag of the parser (alpaca.args) but those listed here, so that a flag added
@@ -93,6 +108,9 @@ NOT_BOUND = (
     "num_sample_answers", "max_new_tokens",
     # the run's length: a resume that would train no step is refused
     "max_steps", "num_train_epochs",
+    # the peak of the schedule, which a resume may change (resume_learning_rate): a diverging run goes on from
+    # its newest checkpoint at a lower one; the schedule's shape and warmup stay bound
+    "learning_rate",
     # how a step is computed, not what: placement and strategy (a DDP checkpoint resumes under FSDP, ZeRO or a
     # device map), kernels, recomputation, padding, packing and loading of the same global batch
     "device_map", "max_memory", "offload_folder", "ddp_backend", "ddp_timeout", "fsdp", "deepspeed",

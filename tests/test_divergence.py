@@ -24,8 +24,9 @@ from alpaca.output import MetricsLog, plot_loss, read_metrics
 DIVERGING = ["--learning_rate", "1e30", "--max_steps", "6", "--save_steps", "1", "--logging_steps", "3",
              "--save_strategy", "steps", "--num_sample_answers", "0", "--per_device_train_batch_size", "2"]
 LINE = re.compile(r"(?:train\.py|train_multigpu\.py): error: the loss or gradient norm is not finite \(NaN or inf\) "
-                  r"at step (\d+), which was not applied; nothing was saved after it \(newest checkpoint: (\S+)\)\. "
-                  r"Train again with a lower --learning_rate")
+                  r"at step (\d+), which was not applied, and nothing was saved after it; resume its newest "
+                  r"checkpoint with a lower learning rate: --resume_from_checkpoint (\S+) --learning_rate <lower>$",
+                  re.MULTILINE)
 
 
 def reject_constant(name: str):
@@ -72,13 +73,15 @@ def assert_stopped(statuses: list[int], stderr: str, output_dir, first_step: int
 
 
 def test_a_diverging_run_stops_before_saving_and_its_checkpoint_resumes(tiny_model, tiny_data, tmp_path):
-    """One process: stopped at step 2 with checkpoint-1 named; resumed from it, the run diverges again at
-    step 2 (a resume keeps the learning rate) and stops the same way."""
+    """One process: stopped at step 2 with checkpoint-1 named; resumed from it as the line says (at a learning
+    rate that is still too high for weights already sent to ~1e30), the run diverges again at step 2 and stops the
+    same way."""
     output_dir = tmp_path / "out"
     args = training_flags(tiny_model, tiny_data, output_dir, *DIVERGING)
     status, _, stderr = run_in_process("train.py", args)
     assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
-    status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
+    status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto",
+                                                        "--learning_rate", "1e29"])
     assert f"resuming {output_dir / 'checkpoint-1'} at step 1" in stdout, stderr[-3000:]
     assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
 

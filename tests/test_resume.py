@@ -258,13 +258,27 @@ def test_resume_on_another_base_model_is_refused(tiny_model, tiny_data, tmp_path
     (["--model_max_length", "256"], "--model_max_length (512 in the checkpoint, 256 in this run)"),
     # the same interventions (keys, shapes, initial weights) at other prompt positions
     (["--position", "f1+l1"], "--position (f2+l2 in the checkpoint, f1+l1 in this run)"),
-    # restored from the optimizer and scheduler states, it would be ignored without a word
-    (["--learning_rate", "0.02"], "--learning_rate (0.01 in the checkpoint, 0.02 in this run)"),
+    # restored from the optimizer state, it would be ignored without a word
+    (["--adam_beta2", "0.99"], "--adam_beta2 (0.999 in the checkpoint, 0.99 in this run)"),
 ])
 def test_resume_with_other_arithmetic_is_refused(tiny_model, tiny_data, tmp_path, reference, changed, difference):
     copy_as_killed(reference / "single", tmp_path / "run", 8)
     message = refused_resume(tmp_path / "run", [*flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE), *changed])
     assert message.startswith(f"train.py: error: this run differs from the checkpoint in {difference}. "), message
+
+
+def test_a_resume_at_another_learning_rate_goes_on_at_its_peak(tiny_model, tiny_data, tmp_path, reference):
+    """checkpoint-8 resumed at half the --learning_rate (a diverging run's way on): said in one line, and the
+    schedule goes on from its step at the new peak: the logged rate is half the uninterrupted run's."""
+    copy_as_killed(reference / "single", tmp_path / "run", 8)
+    status, stdout, stderr = run_in_process("train.py", [
+        *flags(tiny_model, tiny_data, tmp_path / "run", *SINGLE), "--learning_rate", "0.005",
+        "--resume_from_checkpoint", "auto"])
+    assert status == 0, stderr[-3000:]
+    assert "Resuming at --learning_rate 0.005 (the checkpoint's: 0.01); the schedule goes on from step 8" in stdout
+    rate = {run: [r["learning_rate"] for r in read_metrics(run) if r["step"] == 9 and "loss" in r]
+            for run in (reference / "single", tmp_path / "run")}
+    assert rate[tmp_path / "run"] == [rate[reference / "single"][0] / 2] and rate[tmp_path / "run"][0] > 0
 
 
 def test_resume_past_the_end_is_refused(tiny_model, tiny_data, tmp_path, reference):
@@ -296,7 +310,7 @@ def test_a_checkpoint_without_a_fingerprint_is_refused(tiny_model, tiny_data, tm
 def documented_bound_flags() -> set[str]:
     """The flags docs/checkpoints.md lists as bound as given."""
     page = " ".join((REPO / "docs" / "checkpoints.md").read_text().split())
-    listed = page[page.index("Bound as given"): page.index("The optimizer and scheduler states would silently")]
+    listed = page[page.index("Bound as given"): page.index("The optimizer state would silently")]
     return set(re.findall(r"`--(\w+)`", listed))
 
 
@@ -319,7 +333,7 @@ def test_every_flag_is_bound_unless_listed():
 CHANGED_FLAGS = {"dtype": "bfloat16", "load_in_4bit": True, "load_in_8bit": True, "bnb_4bit_quant_type": "fp4",
                  "bnb_4bit_use_double_quant": True, "model_max_length": 256, "group_by_length": False,
                  "layers": "0;3", "position": "l1", "share_weights": True, "rank": 2, "dropout": 0.2,
-                 "intervention": "nodireft", "component": "attention_output", "learning_rate": 0.02,
+                 "intervention": "nodireft", "component": "attention_output",
                  "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_epsilon": 1e-6,
                  "max_grad_norm": 0.5, "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "warmup_steps": 3}
 
@@ -360,9 +374,9 @@ def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_pat
     assert stdout.count("Nothing to train") == 1 and "Trained to step" not in stdout
     assert files_of(run) == before
 
-    message = refused_resume(run, [*args, "--learning_rate", "0.02"])
-    assert message == ("train.py: error: this run differs from the finished run in --learning_rate (0.01 in the "
-                       "finished run, 0.02 in this run). Resume with the data, model and flags the finished run was "
+    message = refused_resume(run, [*args, "--adam_beta2", "0.99"])
+    assert message == ("train.py: error: this run differs from the finished run in --adam_beta2 (0.999 in the "
+                       "finished run, 0.99 in this run). Resume with the data, model and flags the finished run was "
                        "trained with (its training_args.json), or train anew in another --output_dir")
     message = refused_resume(run, [*args, "--max_steps", "11"])
     assert message == (f"train.py: error: the finished run in {run} ended at step 9, this run would end at step 11; "
