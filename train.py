@@ -111,10 +111,10 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
         print(check_finished(finished, args, 1, len(dataset), fingerprint, schedule.total_steps))
         return
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
-    step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
+    step, start_epoch, start_batch, carried_window, wandb_run_id, optimizer_state = 0, 0, 0, {}, None, None
     if resume_from is not None:
         loaded = load_checkpoint(resume_from)
-        step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
+        step, start_epoch, start_batch, carried_window, wandb_run_id = restore_training_state(
             loaded, args, reft_model, None, scheduler, 0, 1, len(dataset), gpus, fingerprint)
         optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
     summary = describe(reft_model, len(dataset), strategy.placed if strategy.device_map else device)
@@ -124,13 +124,13 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
     resolved = dict(world_size=1, global_batch_size=schedule.global_batch_size, total_steps=schedule.total_steps)
     save_args(args, args.output_dir, **resolved)
     metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
-    window = LogWindow(device, *saved_window[:2])
+    window = LogWindow(device, carried_window)
 
     def checkpoint(epoch: int, next_batch: int):
         """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the global batch plan."""
         exit_if_diverged(strategy, PROG, args.output_dir, metrics)
         trainer_state = TrainerState(
-            step=step, epoch=epoch, next_batch=next_batch, window=window.totals().tolist(),
+            step=step, epoch=epoch, next_batch=next_batch, window=LogWindow.named(window.totals()),
             optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), rng=[rng_state(gpus)],
             geometry=geometry(args, world_size=1), seed=args.seed, num_examples=len(dataset),
             prompt_template=args.prompt_template, wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint)
@@ -175,9 +175,9 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
             step += 1
             progress.update()
             if schedule.should_log(step):
-                logged = window.totals()
+                logged = LogWindow.named(window.totals())
                 now = time.perf_counter()
-                metrics.write(train_record(step, schedule.steps_per_epoch, logged.tolist(), learning_rate,
+                metrics.write(train_record(step, schedule.steps_per_epoch, logged, learning_rate,
                                            float(grad_norm), now - window_start, now - train_start), progress)
                 # the host has read this step: where one was not finite, stop before anything is saved
                 exit_if_diverged(strategy, PROG, args.output_dir, metrics)

@@ -160,10 +160,10 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
         print(check_finished(finished, args, world_size, len(dataset), fingerprint, schedule.total_steps))
         return
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
-    step, start_epoch, start_batch, saved_window, wandb_run_id, optimizer_state = 0, 0, 0, [0.0, 0.0, 0.0], None, None
+    step, start_epoch, start_batch, carried_window, wandb_run_id, optimizer_state = 0, 0, 0, {}, None, None
     if resume_from is not None:
         loaded = main_rank_result(lambda: load_checkpoint(resume_from), is_main, device)
-        step, start_epoch, start_batch, saved_window, wandb_run_id = restore_training_state(
+        step, start_epoch, start_batch, carried_window, wandb_run_id = restore_training_state(
             loaded, args, reft_model, None, scheduler, rank, world_size, len(dataset), gpus, fingerprint)
         optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
     summary = describe(reft_model, len(dataset), device)  # before a strategy partitions the parameters
@@ -178,7 +178,7 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
                         total_steps=schedule.total_steps, base_parameter_bytes_per_rank=base_bytes)
         save_args(args, args.output_dir, **resolved)
         metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
-    window = LogWindow(device, *saved_window[:2])
+    window = LogWindow(device, carried_window)
 
     def checkpoint(epoch: int, next_batch: int):
         """Every rank's RNG goes to rank 0, which writes; if writing fails, every rank stops."""
@@ -188,7 +188,7 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
         logged_so_far = window.totals()  # the logging window so far, summed over ranks
         dist.all_reduce(logged_so_far)
         trainer_state = TrainerState(
-            step=step, epoch=epoch, next_batch=next_batch, window=logged_so_far.tolist(),
+            step=step, epoch=epoch, next_batch=next_batch, window=LogWindow.named(logged_so_far),
             optimizer=strategy.optimizer_state(),  # under DeepSpeed, assembled from the partitions
             scheduler=scheduler.state_dict(), rng=rng_states, geometry=geometry(args, world_size), seed=args.seed,
             num_examples=len(dataset), prompt_template=args.prompt_template,
@@ -232,7 +232,7 @@ def train(args, device, dtype, gpus: list[int], backend: str, started: float) ->
                 dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
                 if is_main:
                     now = time.perf_counter()
-                    metrics.write(train_record(step, schedule.steps_per_epoch, logged.tolist(), learning_rate,
+                    metrics.write(train_record(step, schedule.steps_per_epoch, LogWindow.named(logged), learning_rate,
                                                float(grad_norm), now - window_start, now - train_start), progress)
                 # the host has read this step: where one was not finite, stop before anything is saved
                 exit_if_diverged(strategy, PROG, args.output_dir, metrics, is_main)

@@ -239,6 +239,14 @@ def link_optimizer_state(engine) -> None:
         zero_optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def own_partition(parameter: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's elements of a ZeRO-3 parameter (flat): its partition without the padding the last partitions
+    get, which DeepSpeed leaves uninitialized."""
+    size = parameter.ds_tensor.ds_numel  # every partition's, padded
+    start = size * parameter.ds_zero_partition_rank
+    return parameter.ds_tensor.narrow(0, 0, max(0, min(size, parameter.ds_numel - start)))
+
+
 def optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_groups: list[list[torch.nn.Parameter]]) -> dict:
     """What `optimizer.state_dict()` is without DeepSpeed (torch's AdamW: per parameter, numbered in the order
     of `parameter_groups`, its step, exp_avg and exp_avg_sq), assembled from the partitions. A collective:

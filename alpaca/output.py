@@ -125,30 +125,58 @@ def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved
 
 
 class LogWindow:
-    """What training saw since the last log: the summed token loss (on the device: reading it makes the host
-    wait for the step, so it is read once per logging step), and the label tokens and tokens (counted on
-    the host by the collator)."""
+    """What training saw since the last log, as named sums (SUMS). A sum of device values (the token loss) stays on
+    the device in float64, since reading it makes the host wait for the step: it is read once per logging step. A
+    sum of host values (the label tokens and tokens the collator counted) stays on the host."""
 
-    def __init__(self, device: torch.device, loss_sum: float = 0.0, label_tokens: float = 0.0) -> None:
-        self.loss_sum = torch.tensor(loss_sum, dtype=torch.float64, device=device)
-        self.label_tokens, self.tokens = label_tokens, 0
+    # The sums, in the order ranks all-reduce them as one tensor. A metric of your own is one more name here, added
+    # to with `add_sums` and shown by train_record (docs/adapting.md (h)).
+    SUMS = ("loss_sum", "label_tokens", "tokens")
+    # The sums a resumed run carries over from its checkpoint, so that its logged loss is an uninterrupted run's.
+    # The tokens restart, as tokens/s restarts with the clock.
+    CARRIED = ("loss_sum", "label_tokens")
+
+    def __init__(self, device: torch.device, carried: dict[str, float] | None = None) -> None:
+        """`carried`: a checkpoint's sums (`restored`), on one rank only, since they are the sums over ranks."""
+        self.device = device
+        self.sums: dict[str, torch.Tensor | float] = dict.fromkeys(self.SUMS, 0) | (carried or {})
         self.tokens_seen = 0  # since the start of this process, for its throughput
 
     def add(self, summed_loss: torch.Tensor, batch: dict) -> None:
-        self.loss_sum += summed_loss.detach()
-        self.label_tokens += batch["num_label_tokens"]
-        self.tokens += batch["num_tokens"]
+        """A micro-batch's summed token loss (on the device) and the tokens its collator counted."""
+        self.add_sums(loss_sum=summed_loss, label_tokens=batch["num_label_tokens"], tokens=batch["num_tokens"])
         self.tokens_seen += batch["num_tokens"]
 
+    def add_sums(self, **values: torch.Tensor | float) -> None:
+        """Add to the named sums: a tensor, detached, in float64 on its device; a number on the host."""
+        for name, value in values.items():
+            self.sums[name] = self.sums[name] + (value.detach().double() if isinstance(value, torch.Tensor) else value)
+
     def totals(self) -> torch.Tensor:
-        """[summed loss, label tokens, tokens] in float64 on the device: what ranks all-reduce, a log record
-        reads and a checkpoint keeps."""
-        counts = torch.tensor([self.label_tokens, self.tokens], dtype=torch.float64, device=self.loss_sum.device)
-        return torch.cat([self.loss_sum.view(1), counts])
+        """The sums in SUMS order, float64 on the device: what ranks all-reduce (one collective); `named` reads it
+        back. The host's sums travel to the device in one copy."""
+        values = [self.sums[name] for name in self.SUMS]
+        host = torch.tensor([0 if isinstance(value, torch.Tensor) else value for value in values],
+                            dtype=torch.float64, device=self.device)
+        return torch.stack([value if isinstance(value, torch.Tensor) else host[index]
+                            for index, value in enumerate(values)])
+
+    @classmethod
+    def named(cls, totals: torch.Tensor) -> dict[str, float]:
+        """`totals`' values by name (a read of the device: a logging step's or a checkpoint's)."""
+        return dict(zip(cls.SUMS, totals.tolist(), strict=True))
+
+    @classmethod
+    def restored(cls, saved: dict[str, float] | list) -> dict[str, float]:
+        """The CARRIED sums of a checkpoint's window (`named` totals, summed over ranks)."""
+        if not isinstance(saved, dict) or not set(cls.CARRIED) <= saved.keys():
+            raise UsageError("the checkpoint's logging window lacks the sums this version carries over a resume "
+                             f"({', '.join(cls.CARRIED)}): it was written by another version of these scripts; resume "
+                             "it with that version, or train anew in another --output_dir")
+        return {name: saved[name] for name in cls.CARRIED}
 
     def reset(self) -> None:
-        self.loss_sum.zero_()
-        self.label_tokens, self.tokens = 0, 0
+        self.sums = dict.fromkeys(self.SUMS, 0)
 
 
 def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
@@ -165,12 +193,11 @@ def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int 
             + f" | ready in {ready_s:.1f}s")
 
 
-def train_record(step: int, steps_per_epoch: int, window: list[float], learning_rate: float, grad_norm: float,
+def train_record(step: int, steps_per_epoch: int, sums: dict[str, float], learning_rate: float, grad_norm: float,
                  window_seconds: float, elapsed_s: float) -> dict:
-    """A training log record from a window's totals since the last one: (summed loss, label tokens, tokens)."""
-    loss_sum, label_tokens, seen = window
-    return {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": loss_sum / label_tokens,
-            "learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_s": seen / window_seconds,
+    """A training log record from a window's sums since the last one, summed over ranks (LogWindow.named)."""
+    return {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": sums["loss_sum"] / sums["label_tokens"],
+            "learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_s": sums["tokens"] / window_seconds,
             "elapsed_s": elapsed_s}
 
 

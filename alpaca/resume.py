@@ -17,6 +17,7 @@ from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers, parse_position
 from alpaca.model import model_fingerprint
 from alpaca.optim import StepSchedule
+from alpaca.output import LogWindow
 
 
 def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
@@ -56,7 +57,7 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
                            scheduler, rank: int, world_size: int, num_examples: int, gpus: list[int],
                            fingerprint: dict):
     """Load a checkpoint into the training objects; returns where training goes on:
-    (step, epoch, next batch, logging window, wandb run id). `optimizer` None: the caller loads the
+    (step, epoch, next batch, the logging window's carried sums, wandb run id). `optimizer` None: the caller loads the
     optimizer state later (DeepSpeed's partitions exist only once its engine does). `fingerprint`: this run's
     (training_fingerprint), which must be the checkpoint's."""
     states, saved = checkpoint
@@ -75,10 +76,8 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
         optimizer.load_state_dict(saved["optimizer"])
     if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
         restore_rng_state(saved["rng"][rank], gpus)
-    # The saved window is the sum over ranks. Its loss part carries on, so the logged loss is an uninterrupted
-    # run's; its token count does not, since tokens/s restarts with the clock.
-    loss_sum, label_tokens, _ = saved["window"] if rank == 0 else [0.0, 0.0, 0.0]
-    window = [loss_sum, label_tokens, 0.0]
+    # The saved window is the sum over ranks: one rank carries it on.
+    window = LogWindow.restored(saved["window"]) if rank == 0 else {}
     return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
 
 

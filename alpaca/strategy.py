@@ -12,6 +12,7 @@ calls the same methods whatever runs:
     strategy.first_non_finite_step()                    # at logging and save points: the first non-finite step or None
     with strategy.gathered(): ...                       # ZeRO-3: the interventions whole on every rank
     strategy.optimizer_state()                          # torch's AdamW format, however it is partitioned
+    strategy.owned(parameters)                          # the elements this rank counts in a sum over ranks
 
 Only the interventions train (a few thousand parameters, replicated on every rank but under ZeRO-3); the
 base is frozen: no strategy reduces or steps it. docs/multi-gpu.md has the table of what each one does.
@@ -127,6 +128,12 @@ class Strategy:
         """The optimizer state as torch's AdamW writes it, for a checkpoint. A collective for some strategies:
         every rank calls it."""
         return self.optimizer.state_dict()
+
+    def owned(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The elements of the interventions' `parameters` this rank counts, each element on exactly one rank: a
+        sum over them, all-reduced, is the sum over the whole parameters (a metric: docs/adapting.md (h)). No
+        communication. Replicated, they count on rank 0."""
+        return parameters if not dist.is_initialized() or dist.get_rank() == 0 else []
 
 
 class DDP(Strategy):
@@ -249,6 +256,10 @@ class ZeRO(Strategy):
 
     def optimizer_state(self) -> dict:
         return zero.optimizer_state(self.engine, self.optimizer, self.parameter_groups)
+
+    def owned(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Under ZeRO-3 each rank's partition: outside a forward a parameter holds no elements."""
+        return [zero.own_partition(p) for p in parameters] if self.shards_base else super().owned(parameters)
 
 
 def shard_base_model(model, device: torch.device, offload: bool = False) -> None:

@@ -517,6 +517,21 @@ def assert_same_run(actual_dir, expected_dir, exact: bool = False, truth_dir=Non
         assert actual_log[key] == pytest.approx(expected_log[key], rel=tolerances[key], abs=0), (key, tolerances[key])
 
 
+DEEPSPEED_CONFIGS = REPO / "examples" / "deepspeed"
+
+
+def deepspeed_config_file(directory, stage: int):
+    """The shipped config of `stage` (zero2.json for 1 and 2). Under ZeRO-3 every parameter of the tiny model
+    stays partitioned between forwards (DeepSpeed keeps small ones whole, by default below 10 x hidden size)."""
+    config = json.loads((DEEPSPEED_CONFIGS / ("zero3.json" if stage == 3 else "zero2.json")).read_text())
+    config["zero_optimization"]["stage"] = stage
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = directory / f"zero{stage}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
 RECIPES = REPO / "examples" / "launch"
 # python, torchrun and accelerate of the environment running the tests; the global batch of `runs`.
 RECIPE_ENV = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "GLOBAL_BATCH": "8",

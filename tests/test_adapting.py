@@ -3,6 +3,7 @@ caches."""
 
 import importlib.util
 import json
+import math
 import re
 import shlex
 import shutil
@@ -15,6 +16,7 @@ from conftest import (
     REPO,
     SAMPLE_DATA,
     assert_same_run,
+    deepspeed_config_file,
     free_port,
     intervention_weights,
     logged_values,
@@ -25,6 +27,7 @@ from conftest import (
 from alpaca.args import parse_args
 from alpaca.data import load_records
 from alpaca.errors import UsageError
+from alpaca.output import read_metrics
 
 
 @pytest.fixture
@@ -144,7 +147,8 @@ def run_guide_command(command: str, copy, tiny_model, tiny_chat_model, data, *fl
 def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, tiny_model, tiny_chat_model,
                                                          question_answer_data, tmp_path):
     """The documented diff applies to a fresh copy of the repository, and its commands run there
-    (`run_guide_command`); each torchrun command trains the model of the python command before it."""
+    (`run_guide_command`); each torchrun command trains the model of the python command before it. (h)'s runs
+    also log the weight norm of what they save."""
     copy = guide_copy(tmp_path / "copy", diff)
     data, _ = question_answer_data
     outputs, commands_run = {}, {}
@@ -152,6 +156,8 @@ def test_each_adaptation_in_the_guide_applies_and_trains(title, diff, commands, 
         output_dir = run_guide_command(command, copy, tiny_model, tiny_chat_model, data)
         if output_dir is not None:
             outputs[shlex.split(command)[0]], commands_run[shlex.split(command)[0]] = output_dir, command
+            if title.startswith("(h)"):
+                assert_logs_the_saved_weight_norm(output_dir)
         if command.startswith("torchrun"):  # the adaptation trains one model on 1 and N processes
             truth = copy / "truth"  # the python command in float64, in the adapted copy: see conftest.NOISE_MARGIN
             run_guide_command(commands_run["python"], copy, tiny_model, tiny_chat_model, data, "--dtype", "float64",
@@ -180,3 +186,30 @@ def test_the_l2_penalty_adds_its_written_strength_once_per_step(tiny_model, tiny
                            if not key.endswith("/rotate_layer"))
         added = logged_values(runs["penalized"])["loss"][1] - logged_values(runs["unchanged"])["loss"][1]
         assert squared_norm > 0 and added == pytest.approx(strength * squared_norm, rel=FLOAT64_RTOL), command
+
+
+def assert_logs_the_saved_weight_norm(output_dir) -> None:
+    """(h): every training record has a weight norm, and the last one is the norm of the interventions the run
+    saved (LoReFT's rotation left out), to float64's rounding: both sum the float32 weights' squares in float64,
+    in another order (conftest.FLOAT64_RTOL). A partition counted twice, or read as empty, is far off."""
+    records = [record for record in read_metrics(output_dir) if "loss" in record]
+    assert records and all(record["weight_norm"] > 0 for record in records)
+    saved = intervention_weights(output_dir)
+    norm = math.sqrt(sum(tensor.double().pow(2).sum().item() for key, tensor in saved.items()
+                         if not key.endswith("/rotate_layer")))
+    assert records[-1]["weight_norm"] == pytest.approx(norm, rel=FLOAT64_RTOL)
+
+
+def test_the_weight_norm_counts_each_zero3_partition_once(tiny_model, tiny_chat_model, question_answer_data,
+                                                          tmp_path):
+    """(h)'s torchrun command under ZeRO-3 with no persistence threshold: between forwards each rank holds a
+    partition of each intervention weight and the parameter itself no elements. The logged norm is still the
+    saved interventions'."""
+    _, diff, commands = next(section for section in guide_sections() if section[0].startswith("(h)"))
+    copy = guide_copy(tmp_path / "copy", diff)
+    data, _ = question_answer_data
+    torchrun_command = next(command for command in commands if command.startswith("torchrun"))
+    output_dir = run_guide_command(torchrun_command, copy, tiny_model, tiny_chat_model, data, "--deepspeed",
+                                   str(deepspeed_config_file(tmp_path, 3)))
+    assert json.loads((output_dir / "training_args.json").read_text())["deepspeed"].endswith("zero3.json")
+    assert_logs_the_saved_weight_norm(output_dir)

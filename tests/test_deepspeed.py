@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import (
     DDP,
+    DEEPSPEED_CONFIGS,
     FAULTS,
     FLOAT32_ROUNDING,
     FLOAT64_RTOL,
@@ -16,6 +17,7 @@ from conftest import (
     REPO,
     assert_same_run,
     copy_as_killed,
+    deepspeed_config_file,
     flags,
     intervention_weights,
     logged_values,
@@ -27,24 +29,12 @@ from conftest import (
 )
 
 from alpaca.checkpoint import TRAINER_STATE, checkpoints
+from alpaca.deepspeed import own_partition
 from alpaca.model import load_base_model
 from alpaca.output import load_reft_model
 
-CONFIGS = REPO / "examples" / "deepspeed"
 READ_COUNT = str(REPO / "tests" / "read_count.py")
-ZERO2 = CONFIGS / "zero2.json"
-
-
-def config_file(directory, stage: int):
-    """The shipped config of `stage` (zero2.json for 1 and 2). Under ZeRO-3 every parameter of the tiny model
-    stays partitioned between forwards (DeepSpeed keeps small ones whole, by default below 10 x hidden size)."""
-    config = json.loads((CONFIGS / ("zero3.json" if stage == 3 else "zero2.json")).read_text())
-    config["zero_optimization"]["stage"] = stage
-    if stage == 3:
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    path = directory / f"zero{stage}.json"
-    path.write_text(json.dumps(config))
-    return path
+ZERO2 = DEEPSPEED_CONFIGS / "zero2.json"
 
 
 def test_a_zero2_run_stopped_and_resumed_under_zero1_trains_the_model_of_ddp(tiny_model, tiny_data, tmp_path,
@@ -58,13 +48,13 @@ def test_a_zero2_run_stopped_and_resumed_under_zero1_trains_the_model_of_ddp(tin
     losses within float noise (ZeRO sums in another order; a lost optimizer state, RNG state or logging window
     is far above it). The checkpoints load as outputs. ZeRO-3: below."""
     args = ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *DDP)]
-    stopped = torchrun(2, [FAULTS, *args, "--deepspeed", config_file(tmp_path, 2)],
+    stopped = torchrun(2, [FAULTS, *args, "--deepspeed", deepspeed_config_file(tmp_path, 2)],
                        env={"FAULT": "sigterm", "FAULT_STEP": "5", "FAULT_RANK": "1"})
     assert stopped.returncode != 0 and "stopped by a signal to another rank after step 5" in stopped.stderr, \
         stopped.stderr[-3000:]
     assert "base model replicated (DeepSpeed ZeRO-2)" in stopped.stdout
     assert checkpoints(tmp_path)[-1].name == "checkpoint-5"
-    result = torchrun(2, [*args, "--deepspeed", config_file(tmp_path, 1), "--resume_from_checkpoint", "auto"])
+    result = torchrun(2, [*args, "--deepspeed", deepspeed_config_file(tmp_path, 1), "--resume_from_checkpoint", "auto"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at step 5" in result.stdout and "base model replicated (DeepSpeed ZeRO-1)" in result.stdout
     assert "shm_comm" not in result.stdout + stopped.stdout  # nothing compiled on CPU
@@ -102,7 +92,7 @@ def test_zero3_resumes_a_single_process_checkpoint_to_the_ddp_model(runs, tmp_pa
     result = torchrun(2, [READ_COUNT, "train_multigpu.py", *data, "--output_dir", str(output_dir),
                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *every_2_steps,
                           "--deepspeed",
-                          str(config_file(tmp_path, 3)), "--num_sample_answers", "1", "--max_new_tokens", "4",
+                          str(deepspeed_config_file(tmp_path, 3)), "--num_sample_answers", "1", "--max_new_tokens", "4",
                           "--resume_from_checkpoint", "auto"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at step 4" in result.stdout and "base model sharded (DeepSpeed ZeRO-3)" in result.stdout
@@ -172,7 +162,7 @@ def test_zero_on_a_bf16_base_trains_the_model_of_ddp(tiny_model, tiny_data, tmp_
     the two runs are as far apart as bf16 rounding takes them, which `assert_same_run` measures as the DDP run's
     distance from the same run in float32. The output loads."""
     result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, tmp_path, *BF16, "--deepspeed",
-                                                      config_file(tmp_path, stage))])
+                                                      deepspeed_config_file(tmp_path, stage))])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"(DeepSpeed ZeRO-{stage})" in result.stdout and "(torch.bfloat16)" in result.stdout
     assert all(tensor.dtype != torch.bfloat16 for tensor in intervention_weights(tmp_path).values())
@@ -193,7 +183,7 @@ BAD_CONFIGS = [
      'optimizer {"lr": 0.0003}: the optimizer comes from --learning_rate'),
     ("offload on cpu", json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}), [],
      "offload_optimizer moves state from GPUs to the CPU"),
-    ("zero3 offload on cpu", (CONFIGS / "zero3_offload.json").read_text(), [],
+    ("zero3 offload on cpu", (DEEPSPEED_CONFIGS / "zero3_offload.json").read_text(), [],
      "offload_optimizer moves state from GPUs to the CPU"),
     ("zero3 param offload on cpu", json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
      [], "offload_param moves state from GPUs to the CPU"),
@@ -255,3 +245,18 @@ def test_zero3_linear_keeps_the_input_only_for_a_weight_gradient(weight_trains):
     assert torch.allclose(inputs.grad, expected[0].grad, rtol=FLOAT64_RTOL)
     if weight_trains:
         assert torch.allclose(weight.grad, expected[1].grad, rtol=FLOAT64_RTOL)
+
+
+def test_each_rank_owns_its_partition_without_the_padding():
+    """A ZeRO-3 parameter of 5 elements on 3 ranks: partitions of 2, the last padded with an element DeepSpeed
+    leaves uninitialized (NaN here). The ranks' own elements, in rank order, are the parameter, each once."""
+    whole = torch.arange(1.0, 6.0)
+    padded = torch.cat([whole, torch.tensor([torch.nan])])
+    owned = []
+    for rank in range(3):
+        parameter = torch.nn.Parameter(torch.empty(0))  # between forwards, no elements of its own
+        parameter.ds_numel, parameter.ds_zero_partition_rank = whole.numel(), rank
+        parameter.ds_tensor = padded[2 * rank:2 * rank + 2].clone()
+        parameter.ds_tensor.ds_numel = 2
+        owned.append(own_partition(parameter))
+    assert torch.equal(torch.cat(owned), whole)
