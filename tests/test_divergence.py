@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAULTS, exit_statuses, run_in_process, torchrun, training_flags
+from conftest import FAULTS, deepspeed_config_file, exit_statuses, run_in_process, torchrun, training_flags
 
 import alpaca.strategy
 from alpaca.checkpoint import load_checkpoint
@@ -92,8 +92,7 @@ def test_a_diverging_run_stops_on_every_rank(tiny_model, tiny_data, tmp_path, st
     """2 processes, under DDP, FSDP and ZeRO-2 (whose engine skips a step with a non-finite gradient itself):
     every rank stops, rank 0 says why (tests/faults.py, with no fault, reports each rank's exit status)."""
     if strategy[:1] == ["--deepspeed"]:
-        from test_deepspeed import config_file
-        strategy = ["--deepspeed", str(config_file(tmp_path, 2))]
+        strategy = ["--deepspeed", str(deepspeed_config_file(tmp_path, 2))]
     output_dir = tmp_path / "out"
     result = torchrun(2, [FAULTS, "train_multigpu.py", *training_flags(tiny_model, tiny_data, output_dir,
                                                                        *DIVERGING, *strategy)])
