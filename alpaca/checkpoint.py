@@ -273,8 +273,8 @@ def prepare_output_dir(args: argparse.Namespace) -> tuple[Path | None, dict | No
             try:
                 return None, json.loads((output_dir / FINISHED_FILE).read_text())
             except ValueError:
-                raise UsageError(f"{output_dir / FINISHED_FILE} is damaged; pass --overwrite_output_dir to train "
-                                 "anew") from None
+                raise UsageError(f"{output_dir / FINISHED_FILE} is damaged; train anew with --overwrite_output_dir "
+                                 "(without --resume_from_checkpoint)") from None
         latest = latest_checkpoint(output_dir)
         if latest is None:
             print(f"No checkpoint in {output_dir} to resume from: starting from scratch.")

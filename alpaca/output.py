@@ -258,7 +258,7 @@ class MetricsLog:
         records = self.records()
         summary = []
         for key, name in (("loss", "loss"), ("eval_loss", "eval loss")):
-            values = [record[key] for record in records if key in record]
+            values = [record[key] for record in records if record.get(key) is not None]  # null: not finite
             if values:
                 summary.append(f"{name} {values[0]:.4f} -> {values[-1]:.4f}")
         return ", ".join(summary)

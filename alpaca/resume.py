@@ -209,7 +209,7 @@ def finished_record(step: int, args: argparse.Namespace, world_size: int, num_ex
     """What a finished run leaves of itself next to its output (alpaca.output.FINISHED_FILE): its last step and
     what a resume of it is checked against, as a checkpoint's trainer_state.json records them."""
     return {"step": step, "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
-            "prompt_template": args.prompt_template, "fingerprint": fingerprint}
+            "prompt_template": args.prompt_template, "fingerprint": fingerprint, "learning_rate": args.learning_rate}
 
 
 def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_examples: int, fingerprint: dict,
@@ -219,11 +219,17 @@ def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_
     (the output keeps no optimizer state to go on from)."""
     check_resumable(record, args, world_size, num_examples, "the finished run")
     check_fingerprint(record["fingerprint"], fingerprint, args, "the finished run")
+    if record["learning_rate"] != args.learning_rate:  # which a resume may change, but a finished run has no state
+        raise UsageError(f"the finished run in {args.output_dir} was trained at --learning_rate "
+                         f"{record['learning_rate']}, this run has {args.learning_rate}; a finished run keeps no "
+                         "optimizer state to go on from: resume one of its checkpoints at the new rate with "
+                         "--resume_from_checkpoint, or train anew with --overwrite_output_dir (without "
+                         "--resume_from_checkpoint)")
     if record["step"] != total_steps:
         newest = latest_checkpoint(args.output_dir) if total_steps > record["step"] else None
         raise UsageError(f"the finished run in {args.output_dir} ended at step {record['step']}, this run would end "
                          f"at step {total_steps}; a finished run keeps no optimizer state to go on from: "
                          + (f"resume its newest checkpoint with --resume_from_checkpoint {newest}, or " if newest
-                            else "") + "pass --overwrite_output_dir to train anew")
+                            else "") + "train anew with --overwrite_output_dir (without --resume_from_checkpoint)")
     return (f"Nothing to train: {args.output_dir} holds this run, finished at step {record['step']} with these "
-            "data, model and flags (pass --overwrite_output_dir to train it again)")
+            "data, model and flags (to train it again: --overwrite_output_dir without --resume_from_checkpoint)")

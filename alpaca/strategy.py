@@ -100,6 +100,8 @@ class Strategy:
         """Clip and step once the step's micro-batches are done, unless the loss or the gradient norm is not finite
         (then the parameters and optimizer state are left as they were, and step `number` is noted); returns the
         gradient norm before clipping."""
+        if dist.is_initialized():  # a loss not finite on one rank skips the step on every rank: replicas stay equal
+            dist.all_reduce(self.step_loss)  # on the device: the host does not wait for it
         grad_norm, skipped = clip_and_step(self.parameters, self.optimizer, self.scheduler, self.max_grad_norm,
                                            self.step_loss)
         self.note_non_finite(skipped, number)

@@ -152,13 +152,16 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged(fused
 
 
 def test_metrics_are_strict_json_and_the_plot_draws_a_gap(tmp_path):
-    """A non-finite value is written as null (RFC 8259 has no NaN), read back as None, and loss.png draws."""
+    """A non-finite value is written as null (RFC 8259 has no NaN), read back as None, left out of the last line's
+    summary (an eval loss is not checked: it may be null in a finished run), and loss.png draws."""
     log = MetricsLog(tmp_path, argparse.Namespace(report_to="none"))
     for step, loss in ((1, 2.0), (2, math.nan), (3, math.inf), (4, 1.5)):
         log.write({"step": step, "loss": loss, "grad_norm": -math.inf if step == 3 else 1.0})
+        log.write({"step": step, "eval_loss": loss})
+    assert log.loss_summary() == "loss 2.0000 -> 1.5000, eval loss 2.0000 -> 1.5000"
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    assert [record["loss"] for record in read_metrics(tmp_path)] == [2.0, None, None, 1.5]
+    assert [record["loss"] for record in read_metrics(tmp_path) if "loss" in record] == [2.0, None, None, 1.5]
     assert plot_loss(tmp_path).stat().st_size > 1000
 
 

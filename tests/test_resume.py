@@ -361,16 +361,16 @@ def test_a_resume_that_changes_a_bound_flag_is_refused_naming_it(name):
 def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference):
     """--resume_from_checkpoint auto in the reference run's directory (finished at step 9), as a requeued job
     runs it: one line, exit 0, no step trained and no file touched. With another bound flag: refused like any
-    resume. Asked for more steps: refused, naming the newest checkpoint to go on from, which then trains the
-    longer run; for fewer: refused."""
+    resume, and so is another --learning_rate (which a checkpoint's resume may change). Asked for more steps:
+    refused, naming the newest checkpoint to go on from, which then trains the longer run; for fewer: refused."""
     run = shutil.copytree(reference / "single", tmp_path / "run")
     args = flags(tiny_model, tiny_data, run, *SINGLE)
     before = files_of(run)
     status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
     assert status == 0, stderr[-3000:]
     assert stdout.strip().splitlines()[-1] == (f"Nothing to train: {run} holds this run, finished at step 9 with "
-                                               "these data, model and flags (pass --overwrite_output_dir to train "
-                                               "it again)")
+                                               "these data, model and flags (to train it again: "
+                                               "--overwrite_output_dir without --resume_from_checkpoint)")
     assert stdout.count("Nothing to train") == 1 and "Trained to step" not in stdout
     assert files_of(run) == before
 
@@ -381,11 +381,17 @@ def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_pat
     message = refused_resume(run, [*args, "--max_steps", "11"])
     assert message == (f"train.py: error: the finished run in {run} ended at step 9, this run would end at step 11; "
                        "a finished run keeps no optimizer state to go on from: resume its newest checkpoint with "
-                       f"--resume_from_checkpoint {run / 'checkpoint-8'}, or pass --overwrite_output_dir to train "
-                       "anew")
+                       f"--resume_from_checkpoint {run / 'checkpoint-8'}, or train anew with --overwrite_output_dir "
+                       "(without --resume_from_checkpoint)")
+    message = refused_resume(run, [*args, "--learning_rate", "0.005"])  # a resume may change it, a finished run not
+    assert message == (f"train.py: error: the finished run in {run} was trained at --learning_rate 0.01, this run "
+                       "has 0.005; a finished run keeps no optimizer state to go on from: resume one of its "
+                       "checkpoints at the new rate with --resume_from_checkpoint, or train anew with "
+                       "--overwrite_output_dir (without --resume_from_checkpoint)")
     message = refused_resume(run, [*args, "--max_steps", "5"])
     assert message.endswith("ended at step 9, this run would end at step 5; a finished run keeps no optimizer state "
-                            "to go on from: pass --overwrite_output_dir to train anew")
+                            "to go on from: train anew with --overwrite_output_dir (without "
+                            "--resume_from_checkpoint)")
     status, stdout, stderr = run_in_process("train.py", [*args, "--max_steps", "11", "--resume_from_checkpoint",
                                                          run / "checkpoint-8"])
     assert status == 0, stderr[-3000:]
@@ -410,6 +416,6 @@ def test_a_damaged_record_of_a_finished_run_is_refused(tmp_path):
     """Cut short (by hand or by the disk: it is renamed into place whole): one line, before anything loads."""
     (tmp_path / FINISHED_FILE).write_text('{"step": 9, "geo')
     args = build_parser("train.py").parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"])
-    with pytest.raises(UsageError, match=f"^{tmp_path / FINISHED_FILE} is damaged; pass --overwrite_output_dir to "
-                                         "train anew$"):
+    with pytest.raises(UsageError, match=f"^{tmp_path / FINISHED_FILE} is damaged; train anew with "
+                                         r"--overwrite_output_dir \(without --resume_from_checkpoint\)$"):
         prepare_output_dir(args)
