@@ -276,9 +276,10 @@ def test_two_processes_killed_and_resumed_write_one_process_s_file(runs, eval_fi
     flags = ["--reft_dir", str(root / "single"), "--instructions_file", str(path), "--output_file",
              str(tmp_path / "two.json"), "--per_device_batch_size", "3", "--max_new_tokens", "6", "--dtype", "float32",
              *sampling]
-    killed = torchrun(2, [KILL, *flags], env={"KILL_RANK": "1", "KILL_BATCH": "2"})
-    assert killed.returncode != 0 and not (tmp_path / "two.json").exists()
     partial = tmp_path / "two.json.partial"
+    killed = torchrun(2, [KILL, *flags], env={"KILL_RANK": "1", "KILL_BATCH": "2",
+                                              "KILL_AFTER": f"{partial / 'rank-0.jsonl'}:6"})
+    assert killed.returncode != 0 and not (tmp_path / "two.json").exists()
     first = json.loads((partial / "rank-0.jsonl").read_text().splitlines()[0])
     assert len((partial / "rank-0.jsonl").read_text().splitlines()) == 6  # rank 0: its 2 batches
     assert len((partial / "rank-1.jsonl").read_text().splitlines()) == 3  # rank 1: 1 of its 2

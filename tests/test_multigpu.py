@@ -99,7 +99,7 @@ def test_only_rank_zero_prints_and_writes(runs):
     assert "Trained to step 9" in rank0[0]
     assert rank1 and all(text == "" for text in rank1.values()), rank1
     written = sorted(path.name for path in (root / "ddp").iterdir())
-    assert written == sorted(["config.json", "loss.png", "metrics.jsonl", "training_args.json"]
+    assert written == sorted(["config.json", "loss.png", "metrics.jsonl", "run_finished.json", "training_args.json"]
                              + [path.name for path in (root / "single").glob("intkey_*.bin")])
     assert json.loads((root / "ddp" / "training_args.json").read_text())["world_size"] == 2
 
