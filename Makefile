@@ -18,6 +18,10 @@ AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS
 NO_AMX := ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
 HAS_AMX := $(shell grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && echo yes)
 
+# The two scripts are read side by side (`diff train.py train_multigpu.py`): lines of at most 100 characters.
+SCRIPTS := train.py train_multigpu.py
+LINT = $(PY) -m ruff check . && $(PY) -m ruff check --line-length 100 $(SCRIPTS)
+
 .PHONY: setup train test test-fast test-other-cpus lint
 
 $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
@@ -32,12 +36,12 @@ train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m ruff check .
+	$(LINT)
 	$(PY) -m pytest
 
 # A few minutes: the unit tests and one run of each script (torchrun on 2 processes included).
 test-fast: $(STAMP)
-	$(PY) -m ruff check .
+	$(LINT)
 	$(PY) -m pytest -m fast
 
 test-other-cpus: $(STAMP)
@@ -47,4 +51,4 @@ ifeq ($(HAS_AMX),yes)
 endif
 
 lint: $(STAMP)
-	$(PY) -m ruff check .
+	$(LINT)

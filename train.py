@@ -1,14 +1,14 @@
 """Train LoReFT interventions on Alpaca instruction data, on one device.
 
-    python train.py                      # SmolLM2-135M-Instruct on the shipped sample data (make train)
+    python train.py          # SmolLM2-135M-Instruct on the shipped sample data (make train)
     python train.py --model_name_or_path meta-llama/Llama-3.2-1B --data_path alpaca_data.json \
         --layers "8;19" --rank 4 --position "f1+l1" --learning_rate 2e-5 ...
 
-Several GPUs: `torchrun --nproc_per_node N train_multigpu.py` with the same flags trains the same model.
+`torchrun --nproc_per_node N train_multigpu.py` with the same flags trains the same model;
+`diff train.py train_multigpu.py` shows what N processes add.
 """
 
 import argparse
-import os
 import sys
 
 from alpaca.args import exit_on_usage_error, parse_args, resolve_device_defaults
@@ -16,28 +16,34 @@ from alpaca.args import exit_on_usage_error, parse_args, resolve_device_defaults
 PROG = "train.py"
 
 if __name__ == "__main__":  # --help and usage errors answer here, before the heavy imports below
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:  # every rank would train on all the data, and overwrite the others' output
-        sys.exit(f"{PROG}: error: launched on {world_size} processes (WORLD_SIZE={world_size}); train.py trains on "
-                 f"one device. Use: torchrun --nproc_per_node {world_size} train_multigpu.py <same flags>")
-    ARGS = parse_args(PROG)
+    ARGS = parse_args(PROG)  # refuses a launch on several processes: train_multigpu.py trains there
 
-import resource
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
+from datasets import Dataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from alpaca.checkpoint import TrainerState, load_checkpoint, prepare_output_dir, save_checkpoint, save_output
+from alpaca.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    prepare_output_dir,
+    save_checkpoint,
+    save_output,
+)
 from alpaca.collate import Collator, StepCollator, give_step_counts, step_counts
-from alpaca.data import load_splits, prepare_dataset
+from alpaca.data import load_training_splits, tokenize_splits
+from alpaca.device_map import one_process_gpus
 from alpaca.divergence import exit_if_diverged
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_position
 from alpaca.generation import sample_answers
-from alpaca.launch import StopSignal
 from alpaca.loss import evaluate, summed_token_loss, token_weighted_loss
 from alpaca.model import (
     build_reft_model,
@@ -50,9 +56,17 @@ from alpaca.model import (
     resolve_dtype,
     set_attention,
 )
-from alpaca.optim import StepSchedule, build_optimizer
-from alpaca.output import LogWindow, MetricsLog, eval_record, save_args, start_line, train_record
+from alpaca.optim import build_optimizer
+from alpaca.output import (
+    LogWindow,
+    MetricsLog,
+    eval_record,
+    peak_memory,
+    start_line,
+    train_record,
+)
 from alpaca.resume import (
+    TrainingStart,
     check_finished,
     finished_record,
     geometry,
@@ -60,135 +74,145 @@ from alpaca.resume import (
     rng_state,
     training_fingerprint,
 )
-from alpaca.sampler import DistributedGlobalBatchSampler, eval_batches, loader_workers
+from alpaca.sampler import DistributedGlobalBatchSampler, dataloader_worker_init, eval_batches
+from alpaca.signals import StopSignal
+from alpaca.step_schedule import StepSchedule
 from alpaca.strategy import choose_strategy
 
 
 def main(args: argparse.Namespace) -> None:
+    """Set up the device and train on it; a mistake found after parsing ends the run with one line
+    and exit status 2."""
     try:
-        train_on_one_device(args)
+        started = time.perf_counter()
+        device, gpus = choose_device(args)
+        resolve_device_defaults(args, device.type)
+        dtype = resolve_dtype(args.dtype, device)
+        check_attention(args.attn_implementation, device, dtype)
+        train(args, device, dtype, gpus, started)
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
 
-def train_on_one_device(args) -> None:
-    """The device: one, never nn.DataParallel (it copies pyvene's location lists whole to every GPU); with
-    --device_map the base spreads over every visible GPU (and the CPU, disk), the batch entering on the first. The
-    device decides the dtype, the attention check and the device defaults of flags."""
-    started = time.perf_counter()
-    gpus = []
-    if torch.cuda.is_available():
-        device = torch.device("cuda:0")
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        gpus = list(range(torch.cuda.device_count())) if args.device_map is not None else [0]
-        if torch.cuda.device_count() > len(gpus):
-            print(f"{torch.cuda.device_count()} GPUs visible; train.py uses cuda:0. To train on all of them: "
-                  f"torchrun --nproc_per_node {torch.cuda.device_count()} train_multigpu.py <same flags>, or "
-                  "--device_map auto for a model one GPU cannot hold")
-    else:
-        device = torch.device("cpu")
-    resolve_device_defaults(args, device.type)
-    dtype = resolve_dtype(args.dtype, device)
-    check_attention(args.attn_implementation, device, dtype)
-    train(args, device, dtype, gpus, started)
+def choose_device(args: argparse.Namespace) -> tuple[torch.device, list[int]]:
+    """Pick this process's device and its GPUs, the batch entering on the first; the CPU where
+    there is none."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), []
+    gpus = one_process_gpus(device_map=args.device_map is not None)  # never nn.DataParallel
+    device = torch.device("cuda", gpus[0])
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return device, gpus
 
 
-def train(args, device, dtype, gpus: list[int], started: float) -> None:
-    """Data, model, the training loop and the output, on the device (or the devices of a --device_map)."""
-    stop = StopSignal()
+def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gpus: list[int],
+          started: float) -> None:
+    """Load the data and the model, train, and write the output."""
+    world_size = 1  # one process
+    stop = StopSignal()  # SIGTERM (preemption, forwarded by torchrun) or SIGINT: checkpoint, exit
     position = parse_position(args.position)
-    strategy = choose_strategy(args, device, dtype, gpus, distributed=False)  # on the device, or a --device_map
-    resume_from, finished = prepare_output_dir(args)  # refuses to clobber an earlier run, before anything loads
+    strategy = choose_strategy(args, device, dtype, gpus)  # how the model is placed and stepped
+    # an earlier run is refused before anything loads
+    resume_from, finished = prepare_output_dir(args)
 
-    # -- data and model --------------------------------------------------------------------------------
-    tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint = load_data_and_model(
-        args, strategy, dtype, position)
+    # -- data and model ------------------------------------------------------------------------
+    loaded = load_data_and_model(args, strategy, dtype, position, device)
+    reft_model, dataset, eval_dataset = loaded.reft_model, loaded.dataset, loaded.eval_dataset
 
-    # -- optimization: global batch = per_device x 1 process x accumulation --------------------------------
-    schedule = StepSchedule.from_args(args, len(dataset), world_size=1)
-    if finished is not None:  # --resume_from_checkpoint auto where this run finished (a requeue): nothing to do
-        print(check_finished(finished, args, 1, len(dataset), fingerprint, schedule.total_steps))
+    # -- optimization: global batch = per_device x world_size x accumulation -------------------
+    schedule = StepSchedule.from_args(args, len(dataset), world_size)
+    if finished is not None:  # --resume_from_checkpoint auto where this run finished: a requeue
+        print(check_finished(finished, args, world_size, len(dataset), loaded.fingerprint,
+                             schedule.total_steps))
         return
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
-    step, start_epoch, start_batch, carried_window, wandb_run_id, optimizer_state = 0, 0, 0, {}, None, None
+    start = TrainingStart()  # a new run; a resumed one goes on where its checkpoint left off
     if resume_from is not None:
-        loaded = load_checkpoint(resume_from)
-        step, start_epoch, start_batch, carried_window, wandb_run_id = restore_training_state(
-            loaded, args, reft_model, None, scheduler, 0, 1, len(dataset), gpus, fingerprint)
-        optimizer_state = loaded[1]["optimizer"]  # the strategy loads it once the parameters are placed
+        saved = load_checkpoint(resume_from)
+        start = restore_training_state(saved, args, reft_model, scheduler, gpus,
+                                       world_size=world_size, num_examples=len(dataset),
+                                       fingerprint=loaded.fingerprint)
     summary = describe(reft_model, len(dataset), strategy.placed if strategy.device_map else device)
-    train_model = strategy.wrap(reft_model, optimizer, scheduler, optimizer_state)
-    print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset),
-                     resume_from, step, time.perf_counter() - started))
-    resolved = dict(world_size=1, global_batch_size=schedule.global_batch_size, total_steps=schedule.total_steps)
-    save_args(args, args.output_dir, **resolved)
-    metrics = MetricsLog(args.output_dir, args, resume_step=step, wandb_run_id=wandb_run_id, **resolved)
-    window = LogWindow(device, carried_window)
+    train_model = strategy.wrap(reft_model, optimizer, scheduler, start.optimizer_state)
+    resolved = dict(world_size=world_size, global_batch_size=schedule.global_batch_size,
+                    total_steps=schedule.total_steps)
+    ready_s = time.perf_counter() - started
+    print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset), resume_from,
+                     start.step, ready_s))
+    metrics = MetricsLog(args.output_dir, args, resume_step=start.step,
+                         wandb_run_id=start.wandb_run_id, **resolved)
+    window = LogWindow(device, start.window)
+    step = start.step
 
-    def checkpoint(epoch: int, next_batch: int):
-        """The state after `step` optimizer steps; training goes on at (epoch, next_batch) of the global batch plan."""
+    def checkpoint(epoch: int, next_batch: int) -> Path:
+        """Save the state after `step` optimizer steps, to go on at (epoch, next_batch) of the
+        global batch plan; if writing fails, the run stops."""
         exit_if_diverged(strategy, PROG, args.output_dir, metrics)
+        rng_states = [rng_state(gpus)]  # the process's
+        logged_so_far = window.totals()
         trainer_state = TrainerState(
-            step=step, epoch=epoch, next_batch=next_batch, window=LogWindow.named(window.totals()),
-            optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), rng=[rng_state(gpus)],
-            geometry=geometry(args, world_size=1), seed=args.seed, num_examples=len(dataset),
-            prompt_template=args.prompt_template, wandb_run_id=metrics.wandb_run_id, fingerprint=fingerprint)
-        return save_checkpoint(args.output_dir, step, reft_model, trainer_state, args.save_total_limit)
+            step=step, epoch=epoch, next_batch=next_batch, window=LogWindow.named(logged_so_far),
+            optimizer=strategy.optimizer_state(), scheduler=scheduler.state_dict(), rng=rng_states,
+            geometry=geometry(args, world_size), seed=args.seed, num_examples=len(dataset),
+            prompt_template=args.prompt_template,
+            wandb_run_id=metrics.wandb_run_id, fingerprint=loaded.fingerprint)
+        return save_checkpoint(args.output_dir, step, reft_model, trainer_state,
+                               args.save_total_limit)
 
-    # -- data: one DataLoader item per optimizer step, the global batch of a world of one --------------------
+    # -- data: one DataLoader item per optimizer step, its global batch's micro-batches ---------
     lengths = np.array(dataset["length"])
     sampler = DistributedGlobalBatchSampler(
-        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps, seed=args.seed,
-        lengths=lengths if args.group_by_length else None,
+        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+        seed=args.seed, lengths=lengths if args.group_by_length else None,
         packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
-    # its micro-batches collated in workers (--dataloader_num_workers), ahead of the step
-    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
-                        collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
-                        **loader_workers(args.dataloader_num_workers))
-    eval_order = eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size) if eval_dataset else []
+    loader = DataLoader(
+        dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+        collate_fn=StepCollator(loaded.collate, args.per_device_train_batch_size,
+                                args.packing_max_tokens),
+        # --dataloader_num_workers collate the steps ahead of the loop; why these settings:
+        # docs/performance.md#dataloader-workers
+        num_workers=args.dataloader_num_workers, persistent_workers=False,
+        worker_init_fn=dataloader_worker_init, generator=torch.Generator())
+    eval_order = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
+                  if eval_dataset else [])
 
-    # -- train --------------------------------------------------------------------------------------
-    progress = tqdm(total=schedule.total_steps, initial=step, desc="training", dynamic_ncols=True)
-    eval_time, epoch = 0.0, start_epoch
+    # -- train ---------------------------------------------------------------------------------
+    progress = tqdm(total=schedule.total_steps, initial=step, desc="training",
+                    dynamic_ncols=True)
+    epoch, eval_time = start.epoch, 0.0
     train_start = window_start = time.perf_counter()
     while step < schedule.total_steps:
         sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
-        sampler.set_start(start_batch if epoch == start_epoch else 0)  # a resumed run goes on mid-epoch
+        sampler.set_start(start.next_batch if epoch == start.epoch else 0)  # a resume: mid-epoch
         for index, micro_batches in enumerate(loader, start=sampler.start):
             end_of_epoch = index == len(sampler.global_batches) - 1
-            counts = step_counts(micro_batches)
+            counts = step_counts(micro_batches)  # the collator's, on the host
+            stopping = stop.received is not None
             give_step_counts(micro_batches, counts)
-            step_label_tokens = counts[0]
-            if stop.received:  # preempted: checkpoint the last finished step, then exit 128 + the signal number
-                path = checkpoint(epoch, next_batch=index)
-                metrics.close()
-                print(f"{PROG}: stopped by {stop.name} after step {step}; checkpoint in {path}. "
-                      f"Resume with --resume_from_checkpoint auto", file=sys.stderr)
-                sys.exit(stop.exit_code)
+            if stopping:  # preempted: checkpoint the last finished step, then exit non-zero
+                exit_preempted(stop, step, checkpoint(epoch, next_batch=index), metrics)
             learning_rate = scheduler.get_last_lr()[0]
-            for batch in micro_batches:
-                summed_loss = summed_token_loss(train_model, batch, device)
-                strategy.backward(token_weighted_loss(summed_loss, step_label_tokens))
-                window.add(summed_loss, batch)
+            backward_step(strategy, train_model, micro_batches, counts[0], window, device)
             grad_norm = strategy.step(step + 1)
             step += 1
             progress.update()
             if schedule.should_log(step):
-                logged = LogWindow.named(window.totals())
+                logged = window.totals()
                 now = time.perf_counter()
-                metrics.write(train_record(step, schedule.steps_per_epoch, logged, learning_rate,
-                                           float(grad_norm), now - window_start, now - train_start), progress)
-                # the host has read this step: where one was not finite, stop before anything is saved
+                metrics.write(train_record(step, schedule.steps_per_epoch, LogWindow.named(logged),
+                                           learning_rate, float(grad_norm), now - window_start,
+                                           now - train_start), progress)
+                # the host has read the step: if one was not finite, stop before anything is saved
                 exit_if_diverged(strategy, PROG, args.output_dir, metrics)
                 window.reset()
                 window_start = time.perf_counter()
             if schedule.should_evaluate(step, end_of_epoch):
                 eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_order, collate, device)
+                totals = evaluate(reft_model, eval_dataset, eval_order, loaded.collate, device)
                 seconds = time.perf_counter() - eval_start
-                metrics.write(eval_record(step, schedule.steps_per_epoch, totals.tolist(), len(eval_dataset), seconds),
-                              progress)
+                metrics.write(eval_record(step, schedule.steps_per_epoch, totals.tolist(),
+                                          len(eval_dataset), seconds), progress)
                 window_start += seconds  # tokens/s counts training time only
                 eval_time += seconds
             if schedule.should_save(step, end_of_epoch, args.save_strategy):
@@ -199,45 +223,82 @@ def train(args, device, dtype, gpus: list[int], started: float) -> None:
     progress.close()
     train_time = time.perf_counter() - train_start - eval_time
 
-    # -- output ---------------------------------------------------------------------------------------
+    # -- output: the interventions, arguments, metrics and the last lines ------------------------
     exit_if_diverged(strategy, PROG, args.output_dir, metrics)
-    answers = (sample_answers(reft_model, tokenizer, args, position, num_layers)
+    throughput = f"{window.tokens_seen / train_time:.0f} tokens/s, peak memory {peak_memory(gpus)}"
+    trained = f"Trained to step {step} in {train_time:.0f}s ({throughput})"
+    answers = (sample_answers(reft_model, loaded.tokenizer, args, position, loaded.num_layers)
                if args.num_sample_answers > 0 else None)
-    save_output(reft_model, metrics, args.output_dir, finished_record(step, args, 1, len(dataset), fingerprint))
-    peak = (", ".join(f"cuda:{gpu} {torch.cuda.max_memory_allocated(gpu) / 2**30:.2f} GiB" for gpu in gpus) if gpus
-            else f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident")
-    print(f"Trained to step {step} in {train_time:.0f}s ({window.tokens_seen / train_time:.0f} tokens/s, peak memory "
-          f"{peak}); "
-          f"{metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics and loss.png in "
-          f"{args.output_dir}/")
-    if answers:
-        print(answers)
+    record = finished_record(step, args, world_size, len(dataset), loaded.fingerprint)
+    save_and_report(args, reft_model, metrics, record, trained, answers)
     print(f"Done in {time.perf_counter() - started:.0f}s.")
 
 
-def load_data_and_model(args, strategy, dtype, position: tuple[int, int]):
-    """The data and the ReFT model; what can be checked is checked before the model's weights are loaded."""
-    records, eval_records = load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio,
-                                        args.max_n_train_example, args.seed, args.field_map, args.data_split,
-                                        args.data_config, args.data_format, args.eval_data_split)
-    model_path = check_model(args)  # --layers and --rank against the model's config, the chat template
+def exit_preempted(stop: StopSignal, step: int, path: Path, metrics: MetricsLog) -> NoReturn:
+    """Stop after a stop signal: close the log, say where the checkpoint is, and exit 128 + the
+    signal's number."""
+    metrics.close()
+    print(stop.stopped_line(PROG, step, path), file=sys.stderr)
+    sys.exit(stop.exit_code)
+
+
+def backward_step(strategy, train_model, micro_batches: list[dict], step_label_tokens: int,
+                  window: LogWindow, device: torch.device) -> None:
+    """Run forward and backward over the micro-batches of one optimizer step, each weighted by the
+    label tokens of the whole global batch."""
+    for batch in micro_batches:
+        summed_loss = summed_token_loss(train_model, batch, device)
+        strategy.backward(token_weighted_loss(summed_loss, step_label_tokens))
+        window.add(summed_loss, batch)
+
+
+def save_and_report(args: argparse.Namespace, reft_model, metrics: MetricsLog, finished: dict,
+                    trained: str, answers: str | None) -> None:
+    """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
+    the record that the run `finished` (alpaca.resume.finished_record); then say so."""
+    save_output(reft_model, metrics, args.output_dir, finished)
+    print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
+          f"and loss.png in {args.output_dir}/")
+    if answers:
+        print(answers)
+
+
+@dataclass
+class DataAndModel:
+    """What load_data_and_model returns: the data, the ReFT model and what both are read with."""
+
+    tokenizer: PreTrainedTokenizerBase
+    reft_model: torch.nn.Module  # pyreft's ReftModel around the base
+    dataset: Dataset  # tokenized
+    eval_dataset: Dataset | None
+    num_layers: int  # intervened layers (alpaca.model.num_intervened_layers)
+    collate: Collator
+    fingerprint: dict  # what its checkpoints are bound to (alpaca.resume.training_fingerprint)
+
+
+def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
+                        position: tuple[int, int], device: torch.device) -> DataAndModel:
+    """Load the data and build the ReFT model, checking what can be checked before the weights
+    load."""
+    records, eval_records = load_training_splits(args)
+    model_path = check_model(args)  # --layers and --rank against the model's config
     model, tokenizer = strategy.load_base(model_path, dtype, args.cache_dir)
-    dataset, eval_dataset = [None if split is None
-                             else prepare_dataset(split, tokenizer, args.model_max_length, args.cache_dir,
-                                                  args.prompt_template)
-                             for split in (records, eval_records)]
+    dataset, eval_dataset = tokenize_splits([records, eval_records], tokenizer, args)
     set_attention(model, args.attn_implementation)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if args.torch_compile:
         compile_decoder_layers(model)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
-    reft_model = build_reft_model(model, args.layers, position, args.share_weights, low_rank_dimension=args.rank,
-                                  dropout=args.dropout, intervention=args.intervention, component=args.component)
+    reft_model = build_reft_model(model, args.layers, position, args.share_weights,
+                                  low_rank_dimension=args.rank, dropout=args.dropout,
+                                  intervention=args.intervention, component=args.component)
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
-    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
+    collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers,
+                       args.pad_to_multiple_of)
     fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to
-    return tokenizer, reft_model, dataset, eval_dataset, num_layers, collate, fingerprint
+    return DataAndModel(tokenizer, reft_model, dataset, eval_dataset, num_layers, collate,
+                        fingerprint)
 
 
 if __name__ == "__main__":

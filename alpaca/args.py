@@ -35,12 +35,13 @@ from alpaca.flag_values import (
     sharding_flag,
     str2bool,
 )
-from alpaca.launch import (
+from alpaca.launcher_env import (
+    exit_if_launched_on_several_processes,
     follow_accelerate_launch,
     follow_accelerate_precision_and_dynamo,
     is_main_process,
-    wait_for_launcher,
 )
+from alpaca.signals import wait_for_launcher
 
 # --bnb_4bit_quant_type: bitsandbytes' 4-bit data types (BitsAndBytesConfig's names).
 QUANT_TYPES = ("nf4", "fp4")
@@ -452,6 +453,8 @@ def resolve_device_defaults(args: argparse.Namespace, device_type: str) -> None:
 
 def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False) -> argparse.Namespace:
     """Parse and validate; a user mistake exits with status 2 and one line on stderr."""
+    if not multigpu:
+        exit_if_launched_on_several_processes(prog)
     parser = build_parser(prog, multigpu=multigpu)
     args = parser.parse_args(argv)
     try:

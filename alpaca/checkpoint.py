@@ -49,7 +49,7 @@ class TrainerState:
     epoch: int
     next_batch: int  # training goes on at this global batch of the epoch
     window: dict[str, float]  # the logging window so far, summed over ranks, by name (alpaca.output.LogWindow)
-    optimizer: dict  # torch's optimizer.state_dict() (under DeepSpeed: alpaca.deepspeed.optimizer_state, the same)
+    optimizer: dict  # torch's optimizer.state_dict() (under DeepSpeed: alpaca.zero.optimizer_state, the same)
     scheduler: dict
     rng: list[dict[str, torch.Tensor]]  # every rank's random generators (alpaca.resume.rng_state), in rank order
     geometry: dict  # the global batch and how it was made up (alpaca.resume.geometry)

@@ -3,6 +3,7 @@ split), their prompts, and their tokenization, cached on disk."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import csv
@@ -304,6 +305,20 @@ def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str,
     if CONVERSATION_FIELD in records[0]:
         return datasets.Dataset.from_dict({CONVERSATION_FIELD: [record[CONVERSATION_FIELD] for record in records]})
     return datasets.Dataset.from_dict({field: [record[field] for record in records] for field in ALPACA_FIELDS})
+
+
+def load_training_splits(args: argparse.Namespace):
+    """The training and evaluation records the flags name (load_splits)."""
+    return load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
+                       args.seed, args.field_map, args.data_split, args.data_config, args.data_format,
+                       args.eval_data_split)
+
+
+def tokenize_splits(splits, tokenizer, args: argparse.Namespace) -> list:
+    """Each of `splits` (records, or None) tokenized as the flags say (prepare_dataset), or None."""
+    return [None if records is None
+            else prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
+            for records in splits]
 
 
 def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ratio: float | None = None,

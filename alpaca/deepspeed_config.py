@@ -1,5 +1,5 @@
 """--deepspeed CONFIG.json read and checked against the flags: standard library only, so a mistake in the
-config is one line before torch is imported (alpaca.deepspeed runs the engine)."""
+config is one line before torch is imported (alpaca.zero runs the engine)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from alpaca.errors import UsageError
 
-# alpaca.deepspeed reads private parts of DeepSpeed's ZeRO optimizers (see link_optimizer_state and
+# alpaca.zero reads private parts of DeepSpeed's ZeRO optimizers (see link_optimizer_state and
 # load_optimizer_state there), checked against this version only (requirements.txt pins it).
 TESTED_DEEPSPEED = "0.19.8"
 

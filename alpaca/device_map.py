@@ -11,17 +11,57 @@ activation's device, and the logits stay where the head computed them (the loss 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from accelerate.utils import get_max_memory
 
 from alpaca.errors import UsageError
 from alpaca.sharding import empty_base_model
+from alpaca.signals import wait_for_launcher
 from alpaca.workarounds import index_tensors_on, pyvene
 
 
+def one_process_gpus(device_map: bool) -> list[int]:
+    """train.py's GPUs: cuda:0, or with a `device_map` every visible GPU. Never nn.DataParallel: it copies
+    pyvene's location lists whole to every GPU. GPUs left idle are named, with the way to use them."""
+    count = torch.cuda.device_count()
+    gpus = list(range(count)) if device_map else [0]
+    if count > len(gpus):
+        print(f"{count} GPUs visible; train.py uses cuda:0. To train on all of them: torchrun --nproc_per_node "
+              f"{count} train_multigpu.py <same flags>, or --device_map auto for a model one GPU cannot hold")
+    return gpus
+
+
+def local_rank_gpus(prog: str, device_map: bool) -> list[int]:
+    """This process's GPUs under a launcher: the one of its local rank, or with a `device_map` its equal group of
+    the node's GPUs (`gpu_group`). Local ranks, not global ones: each node counts from 0.
+
+    Where the node has too few GPUs, or they do not divide among its processes, every rank of the node sees it
+    and stops; local rank 0 says why. The others wait for the launcher to stop them, since one leaving first
+    could get rank 0 stopped before it has printed. A launcher without LOCAL_WORLD_SIZE leaves each rank to
+    judge (and report) itself."""
+    local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    problem = None
+    if processes > count:
+        problem = f"{processes} processes on this node but {count} GPU(s) visible; launch with --nproc_per_node {count}"
+    elif device_map and count % processes:
+        divisors = ", ".join(str(n) for n in range(1, count + 1) if count % n == 0)
+        problem = (f"--device_map gives each process an equal group of the node's GPUs, but {count} GPUs do not "
+                   f"divide among {processes} processes; launch with --nproc_per_node one of {divisors}")
+    if problem:
+        reports = local_rank == 0 or "LOCAL_WORLD_SIZE" not in os.environ
+        if not reports:
+            wait_for_launcher()
+        sys.exit(f"{prog}: error: {problem}" if reports else 2)
+    return gpu_group(local_rank, processes, count) if device_map else [local_rank]
+
+
 def gpu_group(local_rank: int, processes: int, gpus: int) -> list[int]:
-    """The GPUs of a node's process `local_rank` when its `gpus` are split evenly among `processes` (the script
-    has checked that they divide)."""
+    """The GPUs of a node's process `local_rank` when its `gpus` are split evenly among `processes` (they
+    divide: local_rank_gpus checks)."""
     size = gpus // processes
     return list(range(local_rank * size, (local_rank + 1) * size))
 

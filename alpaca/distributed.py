@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import resource
 import sys
 import traceback
@@ -26,9 +27,9 @@ OK, FAILED = 0, 1
 
 
 @contextlib.contextmanager
-def releasing_process_group() -> Iterator[None]:
-    """Around everything that uses the process group, inside init_process_group / destroy_process_group: what
-    holds the group is released when the block ends, however it ends.
+def ending_process_group() -> Iterator[None]:
+    """Around everything that uses the process group, once init_process_group has made it: when the block ends,
+    however it ends, what holds the group lets go of it, and the group is destroyed.
 
     destroy_process_group frees the group only once nothing else holds it, and a group that survives it
     keeps gloo's threads running into interpreter exit, where they can abort a process that has finished
@@ -43,6 +44,8 @@ def releasing_process_group() -> Iterator[None]:
     finally:
         _clear_sharding_prop_cache()  # DTensor's caches keep FSDP's device mesh, which keeps the group
         gc.collect()  # the block's objects in reference cycles
+        dist.destroy_process_group()
+        gc.collect()
 
 
 def agree(status: int, device: torch.device) -> int:
@@ -52,8 +55,8 @@ def agree(status: int, device: torch.device) -> int:
     return int(code.item())
 
 
-def run_checked(fn: Callable[[], T], participate: bool, device: torch.device) -> T | None:
-    """Run `fn` on the participating ranks, then tell every rank whether it worked.
+def run_checked(fn: Callable[[], T], device: torch.device, participate: bool = True) -> T | None:
+    """Run `fn` on the participating ranks (all by default), then tell every rank whether it worked.
 
     A failure is raised on the rank where it happened; the other ranks leave quietly with the same exit
     code instead of waiting at the next collective until the timeout.
@@ -81,11 +84,12 @@ def main_rank_result(fn: Callable[[], T], is_main: bool, device: torch.device) -
     return result[0]
 
 
-def first_on_local_main(fn: Callable[[], T], local_rank: int, device: torch.device) -> T:
+def first_on_local_main(fn: Callable[[], T], device: torch.device) -> T:
     """`fn` on each node's local rank 0 first (it fills a cache: model conversion, tokenization), then on
     the others, which find the cache. A failure on the first ones stops every rank at once."""
-    result = run_checked(fn, participate=local_rank == 0, device=device)
-    return result if local_rank == 0 else fn()
+    local_main = os.environ["LOCAL_RANK"] == "0"
+    result = run_checked(fn, participate=local_main, device=device)
+    return result if local_main else fn()
 
 
 def gather_rank_report(tokens_per_s: float, base_bytes: int, device) -> str:

@@ -114,7 +114,7 @@ def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]
     return parsed
 
 
-# Not a flag's value, but read by both alpaca.args and alpaca.launch: here, below both, no import circle.
+# Not a flag's value, but read by both alpaca.args and alpaca.launcher_env: here, below both, no import circle.
 def sharding_flag(args: argparse.Namespace) -> str | None:
     """The flag that shards the base, if one does (train.py has neither)."""
     return "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None

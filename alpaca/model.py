@@ -189,7 +189,7 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
                     reader: str = "--fsdp", device_map=None, quantization: dict | None = None):
     """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set).
     On the meta device the weights are not read: `reader` fills each rank's part later (--fsdp:
-    `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.deepspeed.partition_base`). With a `device_map`
+    `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.zero.partition_base`). With a `device_map`
     (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`. With `quantization`
     (alpaca.args.quantization_settings) bitsandbytes quantizes its linear layers as they load, in place: on
     `device`, or where the map puts them; on the meta device they are bitsandbytes' layers already

@@ -11,6 +11,7 @@ import math
 import netrc
 import os
 import pickle
+import resource
 import shutil
 import sys
 import tempfile
@@ -209,13 +210,18 @@ def eval_record(step: int, steps_per_epoch: int, totals: list[float], num_exampl
 
 
 class MetricsLog:
-    """One JSON object per logged step (training) or evaluation in `metrics.jsonl`, and in wandb with
-    `--report_to wandb` (as train/<key> and eval/<key>, like HF's Trainer)."""
+    """The run's arguments (args.json, with the values `resolved` from them), then one JSON object per logged
+    step (training) or evaluation in `metrics.jsonl`, and in wandb with `--report_to wandb` (as train/<key> and
+    eval/<key>, like HF's Trainer). `disable`: a log that writes nothing (a rank but 0), as tqdm's."""
 
     def __init__(self, directory: str | os.PathLike, args: argparse.Namespace, resume_step: int = 0,
-                 wandb_run_id: str | None = None, **resolved):
+                 wandb_run_id: str | None = None, disable: bool = False, **resolved):
         """A resumed run keeps the records up to its checkpoint (a killed run may have logged past it) and
         continues the same wandb run."""
+        self.disable, self.wandb_run = disable, None
+        if disable:
+            return
+        save_args(args, directory, **resolved)
         self.path = Path(directory) / METRICS_FILE
         kept = [r for r in read_metrics(directory) if r["step"] <= resume_step] if resume_step else []
         self.path.write_text("".join(json_line(record) for record in kept))
@@ -229,6 +235,8 @@ class MetricsLog:
 
     def write(self, record: dict, progress=None) -> None:
         """Append the record; with a tqdm `progress` bar, show it there (evaluations also as a line)."""
+        if self.disable:
+            return
         with open(self.path, "a") as file:
             file.write(json_line(record))
         if self.wandb_run is not None:
@@ -331,6 +339,13 @@ def plot_loss(directory: str | os.PathLike) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def peak_memory(gpus: list[int]) -> str:
+    """The process's peak memory: allocated on each of its `gpus`, or resident without one."""
+    if not gpus:
+        return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
+    return ", ".join(f"cuda:{gpu} {torch.cuda.max_memory_allocated(gpu) / 2**30:.2f} GiB" for gpu in gpus)
 
 
 def quiet_non_main_rank() -> None:

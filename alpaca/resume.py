@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,8 +17,8 @@ from alpaca.data import records_fingerprint
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers, parse_position
 from alpaca.model import model_fingerprint
-from alpaca.optim import StepSchedule
 from alpaca.output import LogWindow
+from alpaca.step_schedule import StepSchedule
 
 
 def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
@@ -53,13 +54,24 @@ def restore_rng_state(state: dict[str, torch.Tensor], gpus: list[int]) -> None:
             torch.cuda.set_rng_state(state[cuda_rng_key(index)], gpu)
 
 
-def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, optimizer,
-                           scheduler, rank: int, world_size: int, num_examples: int, gpus: list[int],
-                           fingerprint: dict):
-    """Load a checkpoint into the training objects; returns where training goes on:
-    (step, epoch, next batch, the logging window's carried sums, wandb run id). `optimizer` None: the caller loads the
-    optimizer state later (DeepSpeed's partitions exist only once its engine does). `fingerprint`: this run's
-    (training_fingerprint), which must be the checkpoint's."""
+@dataclass
+class TrainingStart:
+    """Where a run starts: a new run at step 0; a resumed one where its checkpoint left off."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    next_batch: int = 0  # of the epoch's global batch plan
+    window: dict[str, torch.Tensor] = field(default_factory=dict)  # the logging window's sums so far (LogWindow)
+    wandb_run_id: str | None = None
+    optimizer_state: dict | None = None  # torch's AdamW format; the strategy loads it once the parameters are placed
+
+
+def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespace, reft_model, scheduler,
+                           gpus: list[int], *, rank: int = 0, world_size: int = 1, num_examples: int,
+                           fingerprint: dict) -> TrainingStart:
+    """Load a checkpoint into the interventions, the schedule and the random generators of this process's `gpus`,
+    and return where training goes on. `fingerprint`: this run's (training_fingerprint), which must be the
+    checkpoint's."""
     states, saved = checkpoint
     check_resumable(saved, args, world_size, num_examples)
     # the same layers, positions' layout, low-rank dimension and initialization
@@ -72,13 +84,12 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
                          "output as it is)")
     scheduler.load_state_dict(saved["scheduler"])
     resume_learning_rate(scheduler, saved["optimizer"], args.learning_rate)
-    if optimizer is not None:
-        optimizer.load_state_dict(saved["optimizer"])
     if saved["geometry"]["world_size"] == world_size:  # else dropout's streams restart; the plan is the same
         restore_rng_state(saved["rng"][rank], gpus)
     # The saved window is the sum over ranks: one rank carries it on.
     window = LogWindow.restored(saved["window"]) if rank == 0 else {}
-    return saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"]
+    return TrainingStart(saved["step"], saved["epoch"], saved["next_batch"], window, saved["wandb_run_id"],
+                         saved["optimizer"])
 
 
 def resume_learning_rate(scheduler, optimizer_state: dict, learning_rate: float) -> None:

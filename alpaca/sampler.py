@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import math
 import signal
-from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import Sampler
 
 from alpaca.collate import packs
@@ -130,23 +128,10 @@ def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     return math.ceil(num_examples / global_batch_size)
 
 
-def loader_workers(num_workers: int) -> dict[str, Any]:
-    """A training DataLoader's settings for its `num_workers` workers (--dataloader_num_workers), which collate
-    the steps ahead of the training loop."""
-    return dict(num_workers=num_workers,
-                # Workers end with each epoch's iterator. A persistent iterator lives as long as the DataLoader;
-                # left to the garbage collector (a reference cycle), it finds its workers' queues already closed,
-                # and the workers, which ignore SIGTERM, then hang the process at exit.
-                persistent_workers=False, worker_init_fn=dataloader_worker_init,
-                # Each epoch's iterator draws a seed for its workers: from this generator, not from the global
-                # RNG, whose stream (dropout) a resumed run must continue exactly.
-                generator=torch.Generator())
-
-
 def dataloader_worker_init(worker_id: int) -> None:
-    """DataLoader workers ignore SIGTERM and SIGINT. A cluster or a terminal signals every process of the
+    """Make a DataLoader worker ignore SIGTERM and SIGINT. A cluster or a terminal signals every process of the
     job, workers included; a worker dying of it would fail the step that waits for its batch before
-    the main process, which handles the signal (alpaca.launch.StopSignal), could checkpoint. The main
+    the main process, which handles the signal (alpaca.signals.StopSignal), could checkpoint. The main
     process ends its workers itself, and a worker whose parent is gone exits on its own."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -6,7 +6,7 @@ partition) it, then fill each rank's part straight from the checkpoint's safeten
     shard_base_model(model, device)                       # alpaca.strategy: fully_shard, still on meta
     load_shards(model, path, device, cache_dir)           # allocate the local shards, read only their slices
 
-ZeRO-3 (alpaca.deepspeed.partition_base) partitions each tensor flat instead, and reads each rank's range of
+ZeRO-3 (alpaca.zero.partition_base) partitions each tensor flat instead, and reads each rank's range of
 elements with `read_elements`.
 
 With --load_in_4bit (`quantize_empty_base`) the meta base's linear layers become bitsandbytes' Linear4bit, each

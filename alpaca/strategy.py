@@ -1,6 +1,6 @@
 """How the scripts place and step the model, chosen once: on one process (train.py) the base on its device or spread
 by `--device_map` (alpaca.device_map); on N (train_multigpu.py) DDP (the default, with or without a device map per
-rank), FSDP (`--fsdp`: the frozen base sharded) or DeepSpeed ZeRO (`--deepspeed`, in alpaca.deepspeed). The loop
+rank), FSDP (`--fsdp`: the frozen base sharded) or DeepSpeed ZeRO (`--deepspeed`, in alpaca.zero). The loop
 calls the same methods whatever runs:
 
     model, tokenizer = strategy.load_base(model_path, dtype, cache_dir)
@@ -30,7 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from alpaca import deepspeed as zero
+from alpaca import zero
 from alpaca.args import quantization_settings
 from alpaca.device_map import DeviceMap
 from alpaca.errors import UsageError
@@ -206,7 +206,7 @@ class FSDP(Strategy):
 
 
 class ZeRO(Strategy):
-    """DeepSpeed ZeRO with our optimizer and schedule (alpaca.deepspeed): stage 1 partitions the optimizer
+    """DeepSpeed ZeRO with our optimizer and schedule (alpaca.zero): stage 1 partitions the optimizer
     state, 2 the gradients too, 3 the parameters too (the frozen base's included). The engine reduces, clips
     and steps, inside the backward of the step's last micro-batch. Under ZeRO-3 the base is built on the meta
     device and each rank reads only its partitions (`partition_base`), as under FSDP."""
@@ -362,10 +362,11 @@ def quantization_constant_bytes(holder: torch.Tensor | torch.nn.Module) -> int:
 
 
 def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[int],
-                    distributed: bool = True) -> Strategy:
+                    distributed: bool | None = None) -> Strategy:
     """--deepspeed, --fsdp or DDP, from the flags, DDP with --device_map over this process's `gpus` or not; one
-    process (train.py, not `distributed`): the plain strategy. Refused combinations were refused while parsing,
-    the bitsandbytes quantizations of the base that cannot be sharded among them (8-bit under --fsdp, ZeRO-3)."""
+    process (train.py; not `distributed`, which defaults to whether a process group exists): the plain strategy.
+    Refused combinations were refused while parsing, the bitsandbytes quantizations of the base that cannot be
+    sharded among them (8-bit under --fsdp, ZeRO-3)."""
     quantization = quantization_settings(args)
     if getattr(args, "deepspeed", None):
         return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype, quantization)
@@ -373,4 +374,5 @@ def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[i
         return FSDP(device, args.max_grad_norm, offload="offload" in args.fsdp.split(), quantization=quantization)
     device_map = (None if args.device_map is None
                   else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
+    distributed = dist.is_initialized() if distributed is None else distributed
     return (DDP if distributed else Strategy)(device, args.max_grad_norm, device_map, quantization)

@@ -5,7 +5,7 @@ An upgrade of either re-checks each function below against the upstream behaviou
 tests/test_interventions.py, tests/test_fsdp.py and tests/test_families.py fail where one is no longer needed or
 no longer enough.
 Also worked around elsewhere, for a reason local to that code: `alpaca.output.load_reft_model` (pyreft's
-`ReftModel.load`: NoReFT's bias, bf16 learned sources, arbitrary imports) and `alpaca.deepspeed.ReftModule`
+`ReftModel.load`: NoReFT's bias, bf16 learned sources, arbitrary imports) and `alpaca.zero.ReftModule`
 (pyvene's `named_parameters` lists the interventions only).
 """
 

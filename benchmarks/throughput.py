@@ -173,7 +173,7 @@ def run_variant(args: argparse.Namespace) -> dict:
         intervention_parameters,
         set_attention,
     )
-    from alpaca.sampler import DistributedGlobalBatchSampler, global_batches, loader_workers
+    from alpaca.sampler import DistributedGlobalBatchSampler, dataloader_worker_init, global_batches
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -203,7 +203,8 @@ def run_variant(args: argparse.Namespace) -> dict:
                                                 packing=(lengths, packing_max_tokens) if args.packing else None)
         loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
                             collate_fn=StepCollator(collate, batch_size, packing_max_tokens),
-                            **loader_workers(args.dataloader_num_workers))
+                            num_workers=args.dataloader_num_workers, persistent_workers=False,
+                            worker_init_fn=dataloader_worker_init, generator=torch.Generator())
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     else:
         collate = Collator(tokenizer.pad_token_id, (1, 1), False, num_layers)

@@ -119,7 +119,7 @@ from alpaca.constants import CONVERSATION_FIELD
 from alpaca.data import check_conversations, read_local_records
 from alpaca.data_source import DATA_FILE_LOADERS
 from alpaca.device_map import DeviceMap, gpu_group
-from alpaca.distributed import main_rank_result, releasing_process_group, run_checked
+from alpaca.distributed import ending_process_group, main_rank_result, run_checked
 from alpaca.generation import (
     SAMPLE_INSTRUCTIONS,
     answer,
@@ -273,11 +273,8 @@ def answer_file_in_process_group(args: argparse.Namespace) -> None:
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     # Only Python objects travel between the processes (answers, indices): gloo, on the host, whatever the device.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    try:
-        with releasing_process_group():
-            answer_file(args, device, gpus)
-    finally:
-        dist.destroy_process_group()
+    with ending_process_group():
+        answer_file(args, device, gpus)
 
 
 # What decides the answers, besides the run and the records: a resumed run must have the same.

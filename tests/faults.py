@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
-import alpaca.deepspeed  # noqa: E402
 import alpaca.loss  # noqa: E402
 import alpaca.output  # noqa: E402
 import alpaca.strategy  # noqa: E402
+import alpaca.zero  # noqa: E402
 
 
 class Fault:
@@ -41,7 +41,7 @@ class Fault:
         self.mode, self.fault_step, self.on_this_rank = mode, fault_step, on_this_rank
         self.steps, self.saving_step = 0, None
         self.replaced = [(alpaca.strategy, "clip_and_step", self.clip_and_step),  # train.py's, DDP's and FSDP's
-                         (alpaca.deepspeed, "micro_step", self.deepspeed_micro_step),
+                         (alpaca.zero, "micro_step", self.deepspeed_micro_step),
                          (alpaca.output, "save_interventions", self.save_interventions),  # the final output
                          (alpaca.checkpoint, "save_interventions", self.save_interventions),  # checkpoints
                          (alpaca.checkpoint, "save_checkpoint", self.save_checkpoint),
@@ -76,7 +76,7 @@ class Fault:
     def deepspeed_micro_step(self, engine, loss):
         if engine.is_gradient_accumulation_boundary():  # the step's last micro-batch: DeepSpeed updates after it
             self.count_step()
-        return self.original[alpaca.deepspeed, "micro_step"](engine, loss)
+        return self.original[alpaca.zero, "micro_step"](engine, loss)
 
     def summed_token_loss(self, *args, **kwargs):
         loss = self.original[alpaca.loss, "summed_token_loss"](*args, **kwargs)

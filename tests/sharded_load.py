@@ -1,5 +1,5 @@
 """Under torchrun: build each MODEL_DIR's model on the meta device, shard it with --fsdp's functions and load
-each rank's shards, and partition it with ZeRO-3's (alpaca.deepspeed.partition_base); then check both against
+each rank's shards, and partition it with ZeRO-3's (alpaca.zero.partition_base); then check both against
 the model transformers loads whole, in one process.
 
     torchrun --nproc_per_node N tests/sharded_load.py MODEL_DIR [MODEL_DIR ...]
@@ -30,16 +30,16 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from alpaca.deepspeed import partition_base, start  # noqa: E402
-from alpaca.distributed import releasing_process_group  # noqa: E402
+from alpaca.distributed import ending_process_group  # noqa: E402
 from alpaca.model import build_reft_model, quantization_config  # noqa: E402
 from alpaca.sharding import empty_base_model, load_shards, quantize_empty_base  # noqa: E402
 from alpaca.strategy import shard_base_model  # noqa: E402
 from alpaca.workarounds import keep_4bit_layers_differentiable  # noqa: E402
+from alpaca.zero import partition_base, start  # noqa: E402
 
 cpu = torch.device("cpu")
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-with releasing_process_group():
+with ending_process_group():
     for model_dir in sys.argv[1:]:
         whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         sharded = empty_base_model(model_dir, torch.float32)
@@ -132,4 +132,3 @@ with releasing_process_group():
                                        atol=0)
         if int(os.environ["RANK"]) == 0:
             print(f"ok: ZeRO-3, {world} ranks, tied={tied}")
-dist.destroy_process_group()

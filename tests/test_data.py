@@ -20,7 +20,7 @@ from alpaca.data import (
     tokenize,
 )
 from alpaca.errors import UsageError
-from alpaca.sampler import DistributedGlobalBatchSampler, global_batches, loader_workers, rank_micro_batches
+from alpaca.sampler import DistributedGlobalBatchSampler, dataloader_worker_init, global_batches, rank_micro_batches
 
 pytestmark = pytest.mark.fast  # unit tests, all in `make test-fast`
 
@@ -34,7 +34,8 @@ def step_loader(dataset, collate: Collator, args, pin_memory: bool, num_replicas
         packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
     return DataLoader(dataset, batch_sampler=sampler, pin_memory=pin_memory,
                       collate_fn=StepCollator(collate, args.per_device_train_batch_size, args.packing_max_tokens),
-                      **loader_workers(args.dataloader_num_workers))
+                      num_workers=args.dataloader_num_workers, persistent_workers=False,
+                      worker_init_fn=dataloader_worker_init, generator=torch.Generator())
 
 
 def test_alpaca_templates():

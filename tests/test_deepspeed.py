@@ -29,9 +29,9 @@ from conftest import (
 )
 
 from alpaca.checkpoint import TRAINER_STATE, checkpoints
-from alpaca.deepspeed import own_partition
 from alpaca.model import load_base_model
 from alpaca.output import load_reft_model
+from alpaca.zero import own_partition
 
 READ_COUNT = str(REPO / "tests" / "read_count.py")
 ZERO2 = DEEPSPEED_CONFIGS / "zero2.json"
@@ -210,7 +210,7 @@ def test_bad_deepspeed_config(tiny_model, tiny_data, tmp_path, name, text, extra
 
 
 def test_an_untested_deepspeed_is_refused(tiny_model, tiny_data, tmp_path, monkeypatch):
-    """alpaca.deepspeed reads private parts of DeepSpeed's ZeRO optimizers, checked with the version
+    """alpaca.zero reads private parts of DeepSpeed's ZeRO optimizers, checked with the version
     requirements.txt pins: another one is refused in one line, before anything is written."""
     from alpaca.deepspeed_config import TESTED_DEEPSPEED
 
@@ -228,9 +228,9 @@ def test_an_untested_deepspeed_is_refused(tiny_model, tiny_data, tmp_path, monke
 @pytest.mark.fast
 @pytest.mark.parametrize("weight_trains", [False, True])
 def test_zero3_linear_keeps_the_input_only_for_a_weight_gradient(weight_trains):
-    """ZeRO-3's linear (alpaca.deepspeed.frozen_weight_linear, in place of DeepSpeed's): a frozen base's
+    """ZeRO-3's linear (alpaca.zero.frozen_weight_linear, in place of DeepSpeed's): a frozen base's
     linear saves no input for the backward, one that trains does; the gradients are torch's linear's."""
-    from alpaca.deepspeed import frozen_weight_linear
+    from alpaca.zero import frozen_weight_linear
 
     torch.manual_seed(0)
     inputs = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)

@@ -12,7 +12,7 @@ source "$(dirname "$0")/common.sh"
 NPROC=${NPROC:-$(gpu_count)}
 plan_batch "$NPROC"
 # accelerate's --use_deepspeed and --use_fsdp reach the script through its environment, which it follows
-# (alpaca.launch.follow_accelerate_launch); accelerate allows one of them or --multi_gpu.
+# (alpaca.launcher_env.follow_accelerate_launch); accelerate allows one of them or --multi_gpu.
 strategy=()
 if [[ -n ${DEEPSPEED_CONFIG:-} ]]; then
   strategy=(--use_deepspeed --deepspeed_config_file "$DEEPSPEED_CONFIG")

@@ -1,16 +1,33 @@
-"""What the launcher and the cluster tell this process, and how it answers: its rank, `accelerate launch`'s
-settings passed through the environment, the wait for the launcher to stop a rank that found a usage error, and
-stop signals (SIGTERM, SIGINT), which end the run with a checkpoint. Standard library only."""
+"""What the launcher tells this process through its environment: its rank, and `accelerate launch`'s settings.
+Standard library only."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import time
+import socket
+import sys
 
 from alpaca.errors import UsageError
 from alpaca.flag_values import sharding_flag
+
+
+def launched_alone_as_world_of_one() -> None:
+    """Plain `python train_multigpu.py`: the environment torchrun gives a world of one process, on a free port."""
+    if "RANK" in os.environ:  # torchrun or accelerate launched it
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port))
+
+
+def exit_if_launched_on_several_processes(prog: str) -> None:
+    """train.py under torchrun: every rank would train on all the data and overwrite the others' output."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        sys.exit(f"{prog}: error: launched on {world_size} processes (WORLD_SIZE={world_size}); {prog} trains "
+                 f"on one device. Use: torchrun --nproc_per_node {world_size} train_multigpu.py <same flags>")
 
 
 def is_main_process() -> bool:
@@ -81,47 +98,3 @@ def follow_accelerate_precision_and_dynamo(args: argparse.Namespace) -> None:
     elif backend != "no":
         raise UsageError(f"{setting}: --torch_compile compiles with inductor only; launch with --dynamo_backend "
                          "inductor, or no")
-
-
-LAUNCHER_WAIT_S = 30
-
-
-def wait_for_launcher() -> None:
-    """On a rank other than 0, which has found a mistake that rank 0 usually finds too and reports: wait (up to
-    LAUNCHER_WAIT_S) for the launcher to stop this process once rank 0 has exited. Leaving first could get rank
-    0 stopped before it has printed. A stop signal ends the wait and the process, whatever handlers training
-    installed."""
-    for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, signal.SIG_DFL)
-    time.sleep(LAUNCHER_WAIT_S)
-
-
-class StopSignal:
-    """SIGTERM (preemption, torchrun forwarding) or SIGINT: finish the step, checkpoint, exit non-zero.
-
-    A worker often gets the same request twice: from the terminal or the cluster, which signal the whole
-    process group or cgroup, and again from torchrun, which forwards what it got. So a repeated SIGTERM is
-    ignored, and only a second Ctrl-C (SIGINT) given after DUPLICATE_S seconds aborts at once.
-    """
-
-    DUPLICATE_S = 2.0
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.received_at = 0.0
-        for number in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(number, self._handle)
-
-    def _handle(self, number: int, frame) -> None:
-        if self.received is None:
-            self.received, self.received_at = number, time.monotonic()
-        elif number == signal.SIGINT and time.monotonic() - self.received_at > self.DUPLICATE_S:
-            raise KeyboardInterrupt
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.received).name if self.received else ""
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.received or 0)
