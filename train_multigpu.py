@@ -151,7 +151,7 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
         start = restore_training_state(saved, args, reft_model, scheduler, gpus, rank=rank,
                                        world_size=world_size, num_examples=len(dataset),
                                        fingerprint=loaded.fingerprint)
-    summary = describe(reft_model, len(dataset), device)  # on rank 0; the placement: every rank's
+    summary = describe(reft_model, len(dataset), device)  # on rank 0; each rank's: `placement`
     train_model = strategy.wrap(reft_model, optimizer, scheduler, start.optimizer_state)
     base_bytes = local_parameter_bytes(reft_model.model)  # the base parameters this rank holds
     resolved = dict(world_size=world_size, global_batch_size=schedule.global_batch_size,
