@@ -51,14 +51,14 @@ FSDP_WORDS = {"full_shard", "shard_grad_op", "hybrid_shard", "auto_wrap", "offlo
 
 class UsageParser(argparse.ArgumentParser):
     def error(self, message: str):
-        """One line instead of argparse's usage block: the flag and the problem, then where to look."""
+        """Exit with one line instead of argparse's usage block: the flag and the problem, then where to look."""
         if not is_main_process():
             wait_for_launcher()
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_device_map_flags(group, note: str = "") -> None:
-    """--device_map, --max_memory and --offload_folder (transformers' meanings), for training and generation."""
+    """Add --device_map, --max_memory and --offload_folder (transformers' meanings), for training and generation."""
     group.add_argument("--device_map", type=parse_device_map, default=None,
                        help="spread the base over this process's GPUs, the CPU and disk, as transformers does: "
                             f"{', '.join(DEVICE_MAP_STRATEGIES)}, or JSON of module name -> GPU index, 'cpu' or "
@@ -72,8 +72,8 @@ def add_device_map_flags(group, note: str = "") -> None:
 
 
 def add_quantization_flags(group) -> None:
-    """bitsandbytes' quantization of the frozen base as it loads, by transformers' BitsAndBytesConfig names; the
-    compute dtype is --dtype's. For training and generation."""
+    """Add the flags of bitsandbytes' quantization of the frozen base as it loads, by transformers' BitsAndBytesConfig
+    names; the compute dtype is --dtype's. For training and generation."""
     group.add_argument("--load_in_4bit", type=str2bool, nargs="?", const=True, default=False,
                        help="load the frozen base quantized to 4 bits by bitsandbytes (QReFT; docs/big-models.md)")
     group.add_argument("--load_in_8bit", type=str2bool, nargs="?", const=True, default=False,
@@ -277,7 +277,7 @@ NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
 
 
 def validate(args: argparse.Namespace) -> None:
-    """Checks that need no model: run before anything heavy is imported or loaded."""
+    """Run the checks that need no model, before anything heavy is imported or loaded."""
     parse_position(args.position)
     parse_layers(args.layers)
     for name, (meets, meaning) in NUMBER_FLAGS.items():
@@ -322,7 +322,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def validate_packing(args: argparse.Namespace) -> None:
-    """--packing_max_tokens: None without --packing, else a budget every (truncated) example fits in."""
+    """Resolve --packing_max_tokens: None without --packing, else a budget every (truncated) example fits in."""
     if not args.packing:
         if args.packing_max_tokens is not None:
             raise UsageError("--packing_max_tokens sets the size of a pack; add --packing, or drop it")
@@ -340,7 +340,7 @@ def validate_packing(args: argparse.Namespace) -> None:
 
 
 def validate_device_map(args: argparse.Namespace) -> None:
-    """What --device_map, --max_memory and --offload_folder need of each other and of the other flags; the map
+    """Check what --device_map, --max_memory and --offload_folder need of each other and of the other flags; the map
     itself is checked against the model and the devices when the model loads (alpaca.device_map)."""
     if args.device_map is None:
         given = next((flag for flag in ("max_memory", "offload_folder") if getattr(args, flag) is not None), None)
@@ -359,12 +359,12 @@ def validate_device_map(args: argparse.Namespace) -> None:
 
 
 def quantization_flag(args: argparse.Namespace) -> str | None:
-    """The flag that quantizes the base, if one does."""
+    """Return the flag that quantizes the base, if one does."""
     return "--load_in_4bit" if args.load_in_4bit else "--load_in_8bit" if args.load_in_8bit else None
 
 
 def quantization_settings(args: argparse.Namespace) -> dict | None:
-    """BitsAndBytesConfig's arguments of the quantization flags (the compute dtype added where the model loads),
+    """Return BitsAndBytesConfig's arguments of the quantization flags (the compute dtype added where the model loads),
     or None for a base in --dtype."""
     if args.load_in_4bit:
         return {"load_in_4bit": True, "bnb_4bit_quant_type": args.bnb_4bit_quant_type,
@@ -373,7 +373,7 @@ def quantization_settings(args: argparse.Namespace) -> dict | None:
 
 
 def validate_quantization(args: argparse.Namespace) -> None:
-    """What a bitsandbytes-quantized base combines with (docs/big-models.md says why each refusal): the 4-bit
+    """Check what a bitsandbytes-quantized base combines with (docs/big-models.md says why each refusal): the 4-bit
     options resolved (nf4 by default) and refused without --load_in_4bit, so that a run's saved flags say exactly
     how its base was quantized."""
     quantized = quantization_flag(args)
@@ -413,8 +413,8 @@ def validate_quantization(args: argparse.Namespace) -> None:
 
 
 def check_data_path(flag: str, path: str, config: str | None) -> None:
-    """Data files, a directory or a hub name (alpaca.data_source); --data_config only where there are
-    configurations to choose from."""
+    """Check that `path` is data files, a directory or a hub name (alpaca.data_source); --data_config only where there
+    are configurations to choose from."""
     source = data_source(flag, path)
     if config is not None and source.kind in ("files", "saved"):
         raise UsageError(f"--data_config {config!r} names a configuration of a hub dataset; {flag} {path!r} is "
@@ -422,7 +422,7 @@ def check_data_path(flag: str, path: str, config: str | None) -> None:
 
 
 def validate_eval(args: argparse.Namespace) -> None:
-    """Evaluation data comes from a file or a held-out split; the strategy defaults to once per epoch."""
+    """Check that evaluation data comes from a file or a held-out split; the strategy defaults to once per epoch."""
     if args.eval_data_path and args.eval_split_ratio is not None:
         raise UsageError("--eval_data_path and --eval_split_ratio are exclusive; pass one")
     if args.eval_data_path:
@@ -439,8 +439,8 @@ def validate_eval(args: argparse.Namespace) -> None:
 
 
 def resolve_device_defaults(args: argparse.Namespace, device_type: str) -> None:
-    """Defaults that depend on the device: on a GPU, bounded shapes and collation in worker processes; on a CPU
-    neither pays (padding is compute, workers take the cores the step uses; README, Performance)."""
+    """Fill in the defaults that depend on the device: on a GPU, bounded shapes and collation in worker processes; on a
+    CPU neither pays (padding is compute, workers take the cores the step uses; README, Performance)."""
     on_cuda = device_type == "cuda"
     if args.pad_to_multiple_of is None:
         # cuDNN's attention builds a plan per input shape; with no mask (alpaca.loss.token_losses) SDPA may also
@@ -465,7 +465,8 @@ def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False)
 
 
 def exit_on_usage_error(prog: str, error: UsageError) -> None:
-    """For mistakes found after parsing (e.g. a layer out of range once the model's depth is known)."""
+    """Report `error` on stderr and exit, for mistakes found after parsing (e.g. a layer out of range once the model's
+    depth is known)."""
     if not is_main_process():
         wait_for_launcher()  # and if it did not stop this rank, rank 0 never met the mistake: report it here
     print(f"{prog}: error: {error}", file=sys.stderr)

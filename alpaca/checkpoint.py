@@ -61,7 +61,7 @@ class TrainerState:
 
 
 def _fixed_buffers(intervention) -> dict[str, torch.Tensor]:
-    """The rotation's parametrization `base`: an n x n buffer fixed at initialization (1.3 MB per intervention
+    """Return the rotation's parametrization `base`: an n x n buffer fixed at initialization (1.3 MB per intervention
     for a 576-wide model, 67 MB for a 4096-wide one). It is rebuilt from --seed when resuming, so checkpoints
     keep only a fingerprint of it: its column sums. (Not a hash: the QR behind it differs in the last bits
     between thread counts, e.g. under torchrun's one thread per process.)"""
@@ -73,7 +73,7 @@ def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def intervention_states(reft_model) -> dict[str, dict]:
-    """Full torch state of each intervention (nn.Module.state_dict, not pyreft's override, which keeps only
+    """Return the full torch state of each intervention (nn.Module.state_dict, not pyreft's override, which keeps only
     the rotation's matrix and not the raw parameter the optimizer state refers to)."""
     states = {}
     for key, intervention in reft_model.interventions.items():
@@ -145,7 +145,7 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, reft_model, traine
 
 @contextlib.contextmanager
 def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
-    """A write inside that fails for a reason outside the program (disk full, quota, permissions) becomes a
+    """Turn a write inside that fails for a reason outside the program (disk full, quota, permissions) into a
     StorageError: one line with what failed, the free space there, the newest intact checkpoint, and how to
     resume."""
     try:
@@ -163,7 +163,7 @@ def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
 
 
 def save_output(reft_model, metrics, output_dir: str | os.PathLike, finished: dict) -> None:
-    """The run's final output: the interventions (pyreft's format), the closed metrics log and loss.png; then,
+    """Write the run's final output: the interventions (pyreft's format), the closed metrics log and loss.png; then,
     renamed into place after them, the record that the run finished (alpaca.resume.finished_record)."""
     with storage_errors(f"writing the output to {output_dir}", output_dir):
         save_interventions(reft_model, output_dir)
@@ -183,14 +183,14 @@ def tensor_bytes(state: dict) -> bytes:
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """Through a plain file write, so a full disk surfaces as OSError(ENOSPC), not as torch.save's
-    "unexpected pos" RuntimeError."""
+    """Write `data` to `path` through a plain file write, so a full disk surfaces as OSError(ENOSPC), not as
+    torch.save's "unexpected pos" RuntimeError."""
     with open(path, "wb") as file:
         file.write(data)
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """What is wrong with a checkpoint directory, or None if it is complete and intact. A manifest of any shape
+    """Return what is wrong with a checkpoint directory, or None if it is complete and intact. A manifest of any shape
     but the one save_checkpoint writes counts as damage, as a file that does not match its SHA-256 does."""
     if not path.is_dir():
         return "missing (no such directory)"
@@ -201,12 +201,12 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def is_complete(path: Path) -> bool:
-    """Complete and intact: every file of the manifest there, with its size and SHA-256."""
+    """Tell whether a checkpoint is complete and intact: every file of the manifest there, with its size and SHA-256."""
     return checkpoint_problem(path) is None
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """checkpoint-<step> directories, oldest first (intact or not)."""
+    """List the checkpoint-<step> directories, oldest first (intact or not)."""
     directory = Path(output_dir)
     if not directory.is_dir():
         return []
@@ -223,7 +223,7 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest intact checkpoint; incomplete or damaged ones are skipped with a warning."""
+    """Find the newest intact checkpoint; incomplete or damaged ones are skipped with a warning."""
     for path in reversed(checkpoints(output_dir)):
         problem = checkpoint_problem(path)
         if problem is None:
@@ -233,7 +233,7 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
-    """(intervention states, trainer state), on the CPU, from a checkpoint verified against its manifest.
+    """Load the intervention states and the trainer state, on the CPU, from a checkpoint verified against its manifest.
     Only tensors and plain containers are unpickled (weights_only=True): a checkpoint never runs code."""
     path = Path(path)
     problem = checkpoint_problem(path)
@@ -250,8 +250,9 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def prepare_output_dir(args: argparse.Namespace) -> tuple[Path | None, dict | None]:
-    """Checks before anything is loaded or written; returns the checkpoint to resume from, if any, and with
-    --resume_from_checkpoint auto in a finished run's directory, that run's record (alpaca.resume.check_finished).
+    """Check the output directory before anything is loaded or written; return the checkpoint to resume from, if any,
+    and with --resume_from_checkpoint auto in a finished run's directory, that run's record
+    (alpaca.resume.check_finished).
 
     An earlier run's output is never overwritten by mistake: a finished run or checkpoints in
     output_dir are refused unless resuming or --overwrite_output_dir.
@@ -290,7 +291,7 @@ def prepare_output_dir(args: argparse.Namespace) -> tuple[Path | None, dict | No
 
 
 def remove_stale_staging(output_dir: str | os.PathLike) -> None:
-    """Staging directories (and files) left by a run killed while writing a checkpoint or its final output."""
+    """Remove staging directories (and files) left by a run killed while writing a checkpoint or its final output."""
     for pattern in (f".{PREFIX}*.staging-*", ".staging-*"):
         for path in Path(output_dir).glob(pattern):
             shutil.rmtree(path, ignore_errors=True)

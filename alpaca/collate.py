@@ -13,7 +13,7 @@ IGNORE_INDEX = -100
 
 
 def first_and_last_positions(prompt_length: int, first_n: int, last_n: int) -> tuple[list[int], list[int]]:
-    """The first-n and the last-n positions of a prompt (--position f<n>+l<n>); `l1` is the last prompt token.
+    """Return the first-n and the last-n positions of a prompt (--position f<n>+l<n>); `l1` is the last prompt token.
 
     A prompt shorter than first_n + last_n gets fewer of each so that they never overlap (an overlap
     would apply two interventions of the same layer to one token): the first positions get at most
@@ -29,7 +29,7 @@ def intervention_locations(
     prompt_lengths: list[int], position: tuple[int, int], share_weights: bool, num_layers: int,
     pad_position: int | None, offsets: list[int] | None = None,
 ) -> list[list[list[int]]]:
-    """[intervention][example][position] for pyvene's `unit_locations`.
+    """Build the intervention locations, [intervention][example][position], for pyvene's `unit_locations`.
 
     Interventions 0..L-1 take the first positions and L..2L-1 the last ones (pyreft's semantics), or
     each takes both when they share weights or --position names only one side. Positions left out by a
@@ -75,7 +75,7 @@ class Collator:
     pad_to_multiple_of: int = 1
 
     def example_labels(self, example: dict[str, Any], ids):
-        """The tokens the loss is on: every token after the prompt (the answer and eos), and in a conversation
+        """Mark the tokens the loss is on: every token after the prompt (the answer and eos), and in a conversation
         its earlier assistant turns (`label_spans`). The loss's kept logits and the step's label count are derived
         from these, so this is the one place to change them."""
         labels = ids.clone()
@@ -108,8 +108,8 @@ class Collator:
                 **self.labels_and_locations(labels, [torch.tensor(positions) for positions in locations], examples)}
 
     def pack(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        """The examples end to end in one row, with no padding but up to a multiple of `pad_to_multiple_of` at the
-        end (--packing). `position_ids` restart at each example: that is how transformers tells them apart (no
+        """Collate the examples end to end in one row, with no padding but up to a multiple of `pad_to_multiple_of` at
+        the end (--packing). `position_ids` restart at each example: that is how transformers tells them apart (no
         attention across them: a block-diagonal mask under SDPA and eager, varlen kernels under flash attention,
         which also get the examples' boundaries precomputed here, as transformers' DataCollatorWithFlattening
         gives them). Each example's labels and intervened positions are its own, moved to where it starts; its
@@ -143,8 +143,8 @@ class Collator:
                 **self.labels_and_locations(labels, locations, examples)}
 
     def labels_and_locations(self, labels, locations: list, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        """What a micro-batch carries besides its tokens: labels, intervention locations and their mask, the loss's
-        kept logits and the counts, from `labels` and `locations` (whose padding position is the last column)."""
+        """Build what a micro-batch carries besides its tokens: labels, intervention locations and their mask, the
+        loss's kept logits and the counts, from `labels` and `locations` (whose padding position is the last column)."""
         width = labels.shape[1]
         labelled_columns = (labels != IGNORE_INDEX).any(dim=0).nonzero()
         first_label = int(labelled_columns[0]) if len(labelled_columns) else width
@@ -178,18 +178,18 @@ STEP_COUNTS = ("num_label_tokens", "num_intervened_positions")
 
 
 def step_counts(micro_batches: list[dict[str, Any]]) -> list[int]:
-    """This process's part of the step's counts, in STEP_COUNTS' order: summed over ranks, the step's."""
+    """Return this process's part of the step's counts, in STEP_COUNTS' order: summed over ranks, the step's."""
     return [sum(batch[key] for batch in micro_batches) for key in STEP_COUNTS]
 
 
 def give_step_counts(micro_batches: list[dict[str, Any]], counts: list[int]) -> None:
-    """Each micro-batch gets the whole step's counts: what a loss term normalizes by to stay exact on N ranks."""
+    """Give each micro-batch the whole step's counts: what a loss term normalizes by to stay exact on N ranks."""
     for batch in micro_batches:
         batch["step_counts"] = dict(zip(STEP_COUNTS, counts))
 
 
 def packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices into `lengths` cut into consecutive runs of at most `max_tokens` tokens each (--packing): each
+    """Cut the indices of `lengths` into consecutive runs of at most `max_tokens` tokens each (--packing): each
     run takes the next examples while they fit. No example is longer than `max_tokens` (args.validate)."""
     runs, tokens = [], max_tokens
     for index, length in enumerate(lengths):

@@ -50,23 +50,23 @@ def format_prompt(instruction: str, input: str | None = "") -> str:
 
 
 def user_turn(instruction: str, input: str | None = "") -> dict[str, str]:
-    """The chat message of a record (--prompt_template chat): the instruction, then the input if any."""
+    """Build the chat message of a record (--prompt_template chat): the instruction, then the input if any."""
     return {"role": "user", "content": f"{instruction}\n\n{input}" if input else instruction}
 
 
 def record_conversation(instruction: str, input: str | None, output: str | None = None) -> list[dict[str, str]]:
-    """An Alpaca record as a conversation (--prompt_template chat): its user turn, then the output as the
+    """Return an Alpaca record as a conversation (--prompt_template chat): its user turn, then the output as the
     assistant's turn (none to generate)."""
     return [user_turn(instruction, input)] + ([{"role": "assistant", "content": output}] if output is not None else [])
 
 
 def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
-    """A conversation up to the assistant's next turn, rendered by the tokenizer's chat template."""
+    """Return a conversation up to the assistant's next turn, rendered by the tokenizer's chat template."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def chat_answer(tokenizer, messages: list[dict[str, str]], prompt: str) -> str:
-    """The last (assistant) turn of `messages` as the chat template renders it after `prompt`, the rendering of
+    """Return the last (assistant) turn of `messages` as the chat template renders it after `prompt`, the rendering of
     the turns before it, up to and including the first eos: generation stops there, so what follows (ChatML's
     newline) is never generated."""
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -80,7 +80,7 @@ def chat_answer(tokenizer, messages: list[dict[str, str]], prompt: str) -> str:
 
 
 def render_prompt(tokenizer, instruction: str | list[dict[str, str]], input: str | None, prompt_template: str) -> str:
-    """The text before the answer: Alpaca's template, or the tokenizer's chat template up to the assistant turn.
+    """Render the text before the answer: Alpaca's template, or the tokenizer's chat template up to the assistant turn.
     `instruction` may be a conversation (a list of messages, the last the user's), under the chat template."""
     if prompt_template == "alpaca":
         return format_prompt(instruction, input)
@@ -89,7 +89,7 @@ def render_prompt(tokenizer, instruction: str | list[dict[str, str]], input: str
 
 
 def conversation_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int], list[list[int]]]:
-    """(prompt ids, answer ids, labelled spans of the prompt) of a conversation that ends with an assistant turn.
+    """Tokenize a conversation that ends with an assistant turn: (prompt ids, answer ids, labelled spans of the prompt).
     The prompt is every turn before the last assistant turn, tokenized as generation is given it (and where the
     interventions act); the answer is that last turn, through its eos. Each earlier assistant turn is labelled
     too: a [start, end) span of prompt tokens, found from the characters it renders to in the prompt."""
@@ -120,7 +120,7 @@ def conversation_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list
 
 
 def fit_conversation(tokenizer, messages: list[dict[str, str]], model_max_length: int):
-    """conversation_tokens of the longest run of whole turns, from the first, that ends with an assistant turn
+    """Return conversation_tokens of the longest run of whole turns, from the first, that ends with an assistant turn
     and fits in `model_max_length`, and how many assistant turns were left out; if not even the first exchange
     fits, that exchange (cut to length later, as an Alpaca record)."""
     ends = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
@@ -131,14 +131,14 @@ def fit_conversation(tokenizer, messages: list[dict[str, str]], model_max_length
 
 
 def encode_prompts(tokenizer, prompts: list[str], prompt_template: str, return_tensors: str | None = None):
-    """Rendered prompts tokenized (the tokenizer's encoding), the same in training and at generation. A chat
+    """Tokenize rendered prompts (the tokenizer's encoding), the same in training and at generation. A chat
     template writes the special tokens it wants (BOS) itself, as transformers' apply_chat_template assumes."""
     return tokenizer(prompts, add_special_tokens=prompt_template == "alpaca", return_tensors=return_tensors)
 
 
 @contextlib.contextmanager
 def datasets_logging_quiet():
-    """`datasets` logs a loader's failure before raising it: the one line is ours (read_dataset)."""
+    """Silence `datasets`, which logs a loader's failure before raising it: the one line is ours (read_dataset)."""
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
@@ -148,7 +148,7 @@ def datasets_logging_quiet():
 
 
 def load_files(source: DataSource) -> datasets.DatasetDict:
-    """Data files through `datasets`' packaged loader. A CSV's cells are read as the text they are ("007" stays
+    """Load data files through `datasets`' packaged loader. A CSV's cells are read as the text they are ("007" stays
     "007", an empty cell ""), as in a JSON file of strings; its header names the columns."""
     if source.loader != "csv":
         return datasets.load_dataset(source.loader, data_files=list(source.files))
@@ -160,7 +160,7 @@ def load_files(source: DataSource) -> datasets.DatasetDict:
 
 def read_dataset(path: str, flag: str, split: str | None = "train", config: str | None = None,
                  split_flag: str = "--data_split") -> datasets.Dataset:
-    """The records at `path` (alpaca.data_source) as `datasets`' own loaders read them: data files, a
+    """Read the records at `path` (alpaca.data_source) as `datasets`' own loaders read them: data files, a
     save_to_disk Dataset or DatasetDict, a local directory of data files or a hub dataset (`config`); of several
     splits, `split` (None: the only one)."""
     source = data_source(flag, path)
@@ -189,8 +189,8 @@ def read_dataset(path: str, flag: str, split: str | None = "train", config: str 
 
 
 def record_format(dataset: datasets.Dataset, data_format: str, source: str) -> tuple[str, str | None]:
-    """(format, the column holding the conversations): Alpaca, OpenAI messages or ShareGPT, told from the
-    columns and the first turn's keys (--data_format auto), or as forced."""
+    """Find the records' format and the column holding the conversations: Alpaca, OpenAI messages or ShareGPT, told from
+    the columns and the first turn's keys (--data_format auto), or as forced."""
     columns = dataset.column_names
     conversations = next((column for column in (CONVERSATION_FIELD, SHAREGPT_FIELD) if column in columns), None)
     if data_format == "auto" and conversations:
@@ -209,7 +209,7 @@ def record_format(dataset: datasets.Dataset, data_format: str, source: str) -> t
 
 
 def as_message(turn, sharegpt: bool, where: str):
-    """A turn as an OpenAI message of role and content only (their other keys, names or tool calls, vary from
+    """Return a turn as an OpenAI message of role and content only (their other keys, names or tool calls, vary from
     record to record); ShareGPT's roles by their OpenAI names. A malformed turn is kept as it is, for
     check_conversations to name."""
     if not isinstance(turn, dict):
@@ -223,8 +223,8 @@ def as_message(turn, sharegpt: bool, where: str):
 
 
 def canonical_records(dataset: datasets.Dataset, source: str, data_format: str = "auto") -> list[dict]:
-    """Each record as an Alpaca record ('input' "" where missing or null) or a list of OpenAI `messages` (ShareGPT
-    turns renamed; a top-level 'system' field, as ShareGPT files have, becomes a first system turn)."""
+    """Return each record as an Alpaca record ('input' "" where missing or null) or a list of OpenAI `messages`
+    (ShareGPT turns renamed; a top-level 'system' field, as ShareGPT files have, becomes a first system turn)."""
     record_kind, column = record_format(dataset, data_format, source)
     if record_kind == "alpaca":
         width = len(dataset)
@@ -246,13 +246,13 @@ def canonical_records(dataset: datasets.Dataset, source: str, data_format: str =
 
 
 def read_local_records(path: str, flag: str, data_format: str = "auto") -> list[dict]:
-    """The records of a file (or any source read_dataset reads, its only split) in canonical_records' form:
+    """Read the records of a file (or any source read_dataset reads, its only split) in canonical_records' form:
     Alpaca records (an 'output' may be missing: None) or conversations, not yet checked."""
     return canonical_records(read_dataset(path, flag, split=None), f"{flag} {path!r}", data_format)
 
 
 def check_conversations(records: list[dict], source: str, last_role: str = "assistant") -> None:
-    """Every record a list of messages with string `role` and `content`, the last from `last_role` (the
+    """Check that every record is a list of messages with string `role` and `content`, the last from `last_role` (the
     assistant's to train on, the user's to answer)."""
     for index, record in enumerate(records):
         messages = record.get(CONVERSATION_FIELD) if isinstance(record, dict) else None
@@ -270,8 +270,8 @@ def check_conversations(records: list[dict], source: str, last_role: str = "assi
 
 
 def check_records(records: list[dict], source: str) -> None:
-    """At least one record. Alpaca records (canonical_records) need a string `instruction` and `output`; `input`
-    is optional. Conversations are checked by check_conversations."""
+    """Check that there is at least one record. Alpaca records (canonical_records) need a string `instruction` and
+    `output`; `input` is optional. Conversations are checked by check_conversations."""
     if not records:
         raise UsageError(f"{source} holds no records; pass data with at least one example")
     if CONVERSATION_FIELD in records[0]:
@@ -294,7 +294,7 @@ def check_records(records: list[dict], source: str) -> None:
 def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None,
                  split: str | None = "train", config: str | None = None, data_format: str = "auto",
                  split_flag: str = "--data_split"):
-    """Alpaca records or conversations, from any source read_dataset reads, checked, as an in-memory
+    """Load Alpaca records or conversations, from any source read_dataset reads, checked, as an in-memory
     `datasets.Dataset` of the canonical columns (instruction, input, output; or messages): the same records
     give the same Dataset whatever their container. `field_map` renames top-level fields first (--field_map)."""
     dataset = read_dataset(data_path, flag, split, config, split_flag)
@@ -308,14 +308,14 @@ def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str,
 
 
 def load_training_splits(args: argparse.Namespace):
-    """The training and evaluation records the flags name (load_splits)."""
+    """Load the training and evaluation records the flags name (load_splits)."""
     return load_splits(args.data_path, args.eval_data_path, args.eval_split_ratio, args.max_n_train_example,
                        args.seed, args.field_map, args.data_split, args.data_config, args.data_format,
                        args.eval_data_split)
 
 
 def tokenize_splits(splits, tokenizer, args: argparse.Namespace) -> list:
-    """Each of `splits` (records, or None) tokenized as the flags say (prepare_dataset), or None."""
+    """Tokenize each of `splits` (records, or None) as the flags say (prepare_dataset); None stays None."""
     return [None if records is None
             else prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
             for records in splits]
@@ -325,7 +325,7 @@ def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ra
                 max_n_train_example: int | None = None, seed: int = 42, field_map: dict[str, str] | None = None,
                 split: str = "train", config: str | None = None, data_format: str = "auto",
                 eval_split: str | None = None):
-    """(training records, evaluation records or None). A held-out split is taken first, so
+    """Load the training records and the evaluation records (or None). A held-out split is taken first, so
     --max_n_train_example never takes evaluation examples; both selections are seeded."""
     records = load_records(data_path, field_map=field_map, split=split, config=config, data_format=data_format)
     eval_records = None
@@ -345,7 +345,7 @@ def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ra
 
 
 def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "alpaca"):
-    """Adds `input_ids` (prompt + answer + eos, truncated), `prompt_length` and `length`; drops examples left
+    """Add `input_ids` (prompt + answer + eos, truncated), `prompt_length` and `length`; drop examples left
     without any answer token. Prompt and answer are tokenized separately, so the prompt tokens are
     exactly those the model sees at generation time.
 
@@ -396,7 +396,7 @@ def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "
 
 
 def tokenization_source() -> str:
-    """The source of this module and of every module it imports or takes a name from that is not installed (in
+    """Return the source of this module and of every module it imports or takes a name from that is not installed (in
     the standard library or site-packages): all the code that builds prompts and labels, a helper module a copy
     adds included."""
     installed = tuple({str(Path(path).resolve()) for name, path in sysconfig.get_paths().items()
@@ -412,7 +412,7 @@ def tokenization_source() -> str:
 
 
 def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_template: str) -> str:
-    """Everything the tokenized dataset depends on: the records (records_fingerprint, their content as trained
+    """Hash everything the tokenized dataset depends on: the records (records_fingerprint, their content as trained
     on, whatever their container), the tokenizer's full serialization, the templates (Alpaca's or the tokenizer's
     chat template), the code that builds prompts and labels (tokenization_source: edit it in a copy and the cache
     is not reused) and the truncation length."""
@@ -427,7 +427,7 @@ def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_templ
 
 def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | None = None,
                     prompt_template: str = "alpaca"):
-    """Records -> tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
+    """Turn records into a tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
     load it in a second instead of tokenizing again. The cache is checked against its manifest when read, and
     tokenized again if it is damaged."""
     def build(directory: Path) -> None:
@@ -439,7 +439,7 @@ def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | 
 
 
 def records_fingerprint(records) -> str:
-    """SHA-256 of the training records as trained on, in order: their instruction, input and output (or
+    """Return the SHA-256 of the training records as trained on, in order: their instruction, input and output (or
     messages) after --field_map, --max_n_train_example and the held-out split. Their content, not their file's
     path or date."""
     digest = hashlib.sha256()

@@ -38,7 +38,7 @@ def file_loader(flag: str, path: str) -> str:
 
 
 def data_source(flag: str, path: str) -> DataSource:
-    """What `path` is; a local path that names nothing is refused here, at argument time."""
+    """Tell what `path` is; a local path that names nothing is refused here, at argument time."""
     if os.path.isdir(path):
         saved = any(os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
         return DataSource("saved" if saved else "directory", path)

@@ -15,7 +15,7 @@ TESTED_DEEPSPEED = "0.19.8"
 
 
 def load_config(args, world_size: int) -> dict:
-    """The DeepSpeed config of --deepspeed, its "auto" values filled from the flags. Needs no torch work:
+    """Load the DeepSpeed config of --deepspeed, its "auto" values filled from the flags. Needs no torch work:
     called while the arguments are checked, before anything is loaded or written."""
     path = args.deepspeed
     where = f"--deepspeed {path}"

@@ -24,7 +24,7 @@ from alpaca.workarounds import index_tensors_on, pyvene
 
 
 def one_process_gpus(device_map: bool) -> list[int]:
-    """train.py's GPUs: cuda:0, or with a `device_map` every visible GPU. Never nn.DataParallel: it copies
+    """Pick train.py's GPUs: cuda:0, or with a `device_map` every visible GPU. Never nn.DataParallel: it copies
     pyvene's location lists whole to every GPU. GPUs left idle are named, with the way to use them."""
     count = torch.cuda.device_count()
     gpus = list(range(count)) if device_map else [0]
@@ -35,7 +35,7 @@ def one_process_gpus(device_map: bool) -> list[int]:
 
 
 def local_rank_gpus(prog: str, device_map: bool) -> list[int]:
-    """This process's GPUs under a launcher: the one of its local rank, or with a `device_map` its equal group of
+    """Pick this process's GPUs under a launcher: the one of its local rank, or with a `device_map` its equal group of
     the node's GPUs (`gpu_group`). Local ranks, not global ones: each node counts from 0.
 
     Where the node has too few GPUs, or they do not divide among its processes, every rank of the node sees it
@@ -60,7 +60,7 @@ def local_rank_gpus(prog: str, device_map: bool) -> list[int]:
 
 
 def gpu_group(local_rank: int, processes: int, gpus: int) -> list[int]:
-    """The GPUs of a node's process `local_rank` when its `gpus` are split evenly among `processes` (they
+    """Return the GPUs of a node's process `local_rank` when its `gpus` are split evenly among `processes` (they
     divide: local_rank_gpus checks)."""
     size = gpus // processes
     return list(range(local_rank * size, (local_rank + 1) * size))
@@ -75,7 +75,7 @@ class DeviceMap:
         self.device_map, self.max_memory, self.offload_folder, self.gpus = device_map, max_memory, offload_folder, gpus
 
     def on_node(self, device: int | str, flag: str) -> int | str:
-        """A device of the flags ('cpu', 'disk', or a GPU index within this process's group) as transformers
+        """Return a device of the flags ('cpu', 'disk', or a GPU index within this process's group) as transformers
         names it (the node's GPU index)."""
         if isinstance(device, str):
             return device
@@ -86,8 +86,8 @@ class DeviceMap:
         return self.gpus[device]
 
     def from_pretrained_kwargs(self, model_path: str, dtype: torch.dtype, cache_dir: str | None) -> dict:
-        """What `from_pretrained` is given to place the model: a JSON map is checked first against the model (built
-        on the meta device: no weight read); a named strategy gets the memory of this process's devices only."""
+        """Return what `from_pretrained` is given to place the model: a JSON map is checked first against the model
+        (built on the meta device: no weight read); a named strategy gets the memory of this process's devices only."""
         kwargs = {"offload_folder": self.offload_folder}
         if isinstance(self.device_map, dict):
             check_covers(self.device_map, model_path, dtype, cache_dir)
@@ -105,8 +105,8 @@ class DeviceMap:
         return kwargs
 
     def place(self, reft_model) -> None:
-        """Each intervention on its layer's output device (it runs there, in pyvene's hook), pyvene's index
-        tensors on each activation's, and the logits left on the head's device: the batch's labels go to them,
+        """Place each intervention on its layer's output device (it runs there, in pyvene's hook), pyvene's index
+        tensors on each activation's, and leave the logits on the head's device: the batch's labels go to them,
         not they (batch x positions x vocabulary) to the embeddings' device, where accelerate's root hook would
         move every output."""
         model = reft_model.model
@@ -118,7 +118,7 @@ class DeviceMap:
             root_hook.io_same_device = False
 
     def describe(self, model) -> str:
-        """Where the base's modules are, e.g. 'cpu: 9 modules, disk: 2 modules'."""
+        """Describe where the base's modules are, e.g. 'cpu: 9 modules, disk: 2 modules'."""
         # transformers dispatches (and records hf_device_map) only a model it spreads over several devices
         placed = list(getattr(model, "hf_device_map", {"": model.device}).values())
         devices = sorted({str(device) for device in placed})
@@ -126,8 +126,8 @@ class DeviceMap:
 
 
 def check_covers(device_map: dict, model_path: str, dtype: torch.dtype, cache_dir: str | None) -> None:
-    """Every name of a JSON map is a module or tensor of the model, and every tensor of its state dict (a tied
-    LM head's too, as accelerate checks) and every buffer is placed by one: accelerate would silently skip an
+    """Check that every name of a JSON map is a module or tensor of the model, and every tensor of its state dict (a
+    tied LM head's too, as accelerate checks) and every buffer is placed by one: accelerate would silently skip an
     unknown name, and leave an unplaced buffer (rotary tables) where it was built."""
     model = empty_base_model(model_path, dtype, cache_dir)
     tensors = list(dict.fromkeys([*model.state_dict(keep_vars=True), *(name for name, _ in model.named_buffers())]))
@@ -145,7 +145,7 @@ def check_covers(device_map: dict, model_path: str, dtype: torch.dtype, cache_di
 
 
 def hooked_module_name(reft_model, key: str) -> str:
-    """The dotted name of the module whose output the intervention `key` acts on, from pyvene's table
+    """Return the dotted name of the module whose output the intervention `key` acts on, from pyvene's table
     ('model.layers[%s]' -> 'model.layers.3')."""
     representation = reft_model.representations[key]
     path = pyvene.type_to_module_mapping[type(reft_model.model)][representation.component][0]
@@ -153,7 +153,7 @@ def hooked_module_name(reft_model, key: str) -> str:
 
 
 def execution_device(model, name: str) -> torch.device:
-    """Where the module `name` runs (and leaves its output): its accelerate hook's execution device, or the nearest
+    """Find where the module `name` runs (and leaves its output): its accelerate hook's execution device, or the nearest
     enclosing module's; without hooks (the whole model on one device), where its parameters are."""
     parts = name.split(".") if name else []
     for end in range(len(parts), -1, -1):
@@ -166,7 +166,7 @@ def execution_device(model, name: str) -> torch.device:
 
 
 def input_device(model) -> torch.device:
-    """Where a batch enters the base model: where its input embeddings run."""
+    """Find where a batch enters the base model: where its input embeddings run."""
     embeddings = model.get_input_embeddings()
     name = next(name for name, module in model.named_modules() if module is embeddings)
     return execution_device(model, name)

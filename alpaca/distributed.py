@@ -28,7 +28,7 @@ OK, FAILED = 0, 1
 
 @contextlib.contextmanager
 def ending_process_group() -> Iterator[None]:
-    """Around everything that uses the process group, once init_process_group has made it: when the block ends,
+    """Wrap everything that uses the process group, once init_process_group has made it: when the block ends,
     however it ends, what holds the group lets go of it, and the group is destroyed.
 
     destroy_process_group frees the group only once nothing else holds it, and a group that survives it
@@ -49,7 +49,7 @@ def ending_process_group() -> Iterator[None]:
 
 
 def agree(status: int, device: torch.device) -> int:
-    """All-reduce MAX of a status code: every rank learns whether any rank failed (and acts as a barrier)."""
+    """All-reduce a status code by MAX: every rank learns whether any rank failed (and acts as a barrier)."""
     code = torch.tensor([status], dtype=torch.int32, device=device)
     dist.all_reduce(code, op=dist.ReduceOp.MAX)
     return int(code.item())
@@ -77,7 +77,7 @@ def run_checked(fn: Callable[[], T], device: torch.device, participate: bool = T
 
 
 def main_rank_result(fn: Callable[[], T], is_main: bool, device: torch.device) -> T:
-    """`fn` on rank 0 alone (it owns the output directory), its result sent to every rank: other nodes need
+    """Run `fn` on rank 0 alone (it owns the output directory), its result sent to every rank: other nodes need
     not see rank 0's disk. A failure stops every rank at once."""
     result = [run_checked(fn, participate=is_main, device=device)]
     dist.broadcast_object_list(result, src=0)
@@ -85,7 +85,7 @@ def main_rank_result(fn: Callable[[], T], is_main: bool, device: torch.device) -
 
 
 def first_on_local_main(fn: Callable[[], T], device: torch.device) -> T:
-    """`fn` on each node's local rank 0 first (it fills a cache: model conversion, tokenization), then on
+    """Run `fn` on each node's local rank 0 first (it fills a cache: model conversion, tokenization), then on
     the others, which find the cache. A failure on the first ones stops every rank at once."""
     local_main = os.environ["LOCAL_RANK"] == "0"
     result = run_checked(fn, participate=local_main, device=device)
@@ -93,7 +93,7 @@ def first_on_local_main(fn: Callable[[], T], device: torch.device) -> T:
 
 
 def gather_rank_report(tokens_per_s: float, base_bytes: int, device) -> str:
-    """Tokens/s, peak memory and base parameter bytes of every rank, on every rank (a collective)."""
+    """Gather the tokens/s, peak memory and base parameter bytes of every rank, on every rank (a collective)."""
     peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     per_rank = torch.tensor([tokens_per_s, peak_memory, base_bytes], dtype=torch.float64, device=device)

@@ -15,10 +15,10 @@ DIVERGED_EXIT_CODE = 3  # neither a usage error (2) nor a crash or failed write 
 
 
 def exit_if_diverged(strategy, prog: str, output_dir: str | os.PathLike, metrics) -> None:
-    """Every rank calls it (a collective under torch.distributed). If a step was not finite, the rank that logs
-    (rank 0, whose `metrics` are not disabled) says, in one line, which step and where to resume from, then closes
-    its log (wandb's finish can take a while, and torchrun ends a straggler once the other ranks have exited);
-    every rank exits DIVERGED_EXIT_CODE."""
+    """Stop a diverged run: every rank calls it (a collective under torch.distributed). If a step was not finite, the
+    rank that logs (rank 0, whose `metrics` are not disabled) says, in one line, which step and where to resume from,
+    then closes its log (wandb's finish can take a while, and torchrun ends a straggler once the other ranks have
+    exited); every rank exits DIVERGED_EXIT_CODE."""
     first = strategy.first_non_finite_step()
     if first is None:
         return

@@ -18,7 +18,7 @@ _POSITION = re.compile(r"^(?:f(?P<f>[1-9]\d*)|l(?P<l>[1-9]\d*)|f(?P<both_f>[1-9]
 
 
 def parse_field_map(value: str) -> dict[str, str]:
-    """'question=instruction,answer=output' -> {'question': 'instruction', 'answer': 'output'}."""
+    """Parse a field map: 'question=instruction,answer=output' -> {'question': 'instruction', 'answer': 'output'}."""
     mapping = {}
     for pair in filter(None, value.split(",")):
         source, _, target = pair.partition("=")
@@ -30,7 +30,7 @@ def parse_field_map(value: str) -> dict[str, str]:
 
 
 def parse_device(value, flag: str) -> int | str:
-    """A GPU index (an int, '3' or 'cuda:3'), 'cpu' or 'disk', as transformers reads a device map's values."""
+    """Parse a GPU index (an int, '3' or 'cuda:3'), 'cpu' or 'disk', as transformers reads a device map's values."""
     text = str(value)
     if isinstance(value, bool) or not _DEVICE.match(text):
         raise argparse.ArgumentTypeError(f"{flag}: device {value!r} is not a GPU index, 'cuda:N', 'cpu' or 'disk'")
@@ -50,7 +50,7 @@ def parse_json_object(value: str, flag: str, example: str) -> dict:
 
 
 def parse_device_map(value: str) -> str | dict[str, int | str]:
-    """'auto' (or another of DEVICE_MAP_STRATEGIES), or a JSON object of module name -> device."""
+    """Parse --device_map: 'auto' (or another of DEVICE_MAP_STRATEGIES), or a JSON object of module name -> device."""
     if value in DEVICE_MAP_STRATEGIES:
         return value
     mapping = parse_json_object(value, "--device_map", '{"model.embed_tokens": 0, "model.layers.0": "disk", ...}')
@@ -58,7 +58,7 @@ def parse_device_map(value: str) -> str | dict[str, int | str]:
 
 
 def parse_max_memory(value: str) -> dict[int | str, int | str]:
-    """A JSON object of device -> bytes (an int) or a size ('20GiB', '500MB'), accelerate's max_memory."""
+    """Parse a JSON object of device -> bytes (an int) or a size ('20GiB', '500MB'), accelerate's max_memory."""
     mapping = parse_json_object(value, "--max_memory", '{"0": "20GiB", "cpu": "64GiB"}')
     memory = {}
     for device, size in mapping.items():
@@ -70,7 +70,7 @@ def parse_max_memory(value: str) -> dict[int | str, int | str]:
 
 
 def str2bool(value: str) -> bool:
-    """HF-style booleans: `--flag`, `--flag True`, `--flag false`, `--flag 1`."""
+    """Parse HF-style booleans: `--flag`, `--flag True`, `--flag false`, `--flag 1`."""
     if value.lower() in ("true", "1", "yes", "y"):
         return True
     if value.lower() in ("false", "0", "no", "n"):
@@ -79,7 +79,7 @@ def str2bool(value: str) -> bool:
 
 
 def parse_position(position: str) -> tuple[int, int]:
-    """`f<n>`, `l<n>` or `f<n>+l<n>` -> (first_n, last_n)."""
+    """Parse --position: `f<n>`, `l<n>` or `f<n>+l<n>` -> (first_n, last_n)."""
     match = _POSITION.match(position.strip())
     if not match:
         raise UsageError(
@@ -89,7 +89,7 @@ def parse_position(position: str) -> tuple[int, int]:
 
 
 def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]:
-    """`"8;19"` or `"all"` -> layer indices; validated against the model's depth when it is known."""
+    """Parse --layers: `"8;19"` or `"all"` -> layer indices; validated against the model's depth when it is known."""
     if layers.strip() == "all":
         if num_hidden_layers is None:
             return []
@@ -116,5 +116,5 @@ def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]
 
 # Not a flag's value, but read by both alpaca.args and alpaca.launcher_env: here, below both, no import circle.
 def sharding_flag(args: argparse.Namespace) -> str | None:
-    """The flag that shards the base, if one does (train.py has neither)."""
+    """Return the flag that shards the base, if one does (train.py has neither)."""
     return "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None

@@ -23,7 +23,7 @@ SAMPLE_INSTRUCTIONS = [
 
 def prompt_ids(tokenizer, instructions: list, inputs: list[str], prompt_template: str,
                model_max_length: int | None = None) -> tuple[list[list[int]], list[int]]:
-    """The token ids of each prompt rendered and encoded as in training (an instruction, or a conversation whose
+    """Return the token ids of each prompt rendered and encoded as in training (an instruction, or a conversation whose
     last message is the user's), cut to its first `model_max_length` tokens as training cuts an example; and
     the indices of the prompts cut."""
     texts = [render_prompt(tokenizer, instruction, input, prompt_template)
@@ -36,7 +36,7 @@ def prompt_ids(tokenizer, instructions: list, inputs: list[str], prompt_template
 @torch.no_grad()
 def generate_batch(reft_model, prompts: list[list[int]], pad_token_id: int, position: tuple[int, int],
                    share_weights: bool, num_layers: int, intervene: bool = True, **settings):
-    """transformers' generate output (`settings`: its arguments) for prompts left-padded into one batch; its
+    """Return transformers' generate output (`settings`: its arguments) for prompts left-padded into one batch; its
     `sequences` hold the new tokens only. With `intervene` the interventions act on each prompt's forward, at
     the positions training uses for that prompt, moved right by the row's padding (never found by a token
     search, which a pad id equal to BOS breaks); later tokens come from the KV cache, as in pyvene's generate.
@@ -69,13 +69,13 @@ def generate_batch(reft_model, prompts: list[list[int]], pad_token_id: int, posi
 
 
 def new_tokens(row: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, bool]:
-    """A row of generated tokens up to its first eos, and whether it has none (cut at --max_new_tokens)."""
+    """Return a row of generated tokens up to its first eos, and whether it has none (cut at --max_new_tokens)."""
     eos = (row == eos_token_id).nonzero()
     return (row[: int(eos[0])], False) if len(eos) else (row, True)
 
 
 def decode_answers(tokenizer, sequences: torch.Tensor) -> list[tuple[str, int, bool]]:
-    """(answer text, its tokens, whether it was cut at --max_new_tokens) of each generated row."""
+    """Decode each generated row: (answer text, its tokens, whether it was cut at --max_new_tokens)."""
     rows = [new_tokens(row.cpu(), tokenizer.eos_token_id) for row in sequences]
     return [(tokenizer.decode(tokens, skip_special_tokens=True).strip(), len(tokens), cut) for tokens, cut in rows]
 
@@ -83,7 +83,7 @@ def decode_answers(tokenizer, sequences: torch.Tensor) -> list[tuple[str, int, b
 def answer(reft_model, tokenizer, instruction: str | list[dict[str, str]], position: tuple[int, int],
            share_weights: bool, num_layers: int, max_new_tokens: int = 96, input: str = "",
            prompt_template: str = "alpaca", synced_ranks: bool = False) -> tuple[str, str]:
-    """(base answer, ReFT answer) to an instruction, or to a conversation (its messages, the last the user's)
+    """Generate (base answer, ReFT answer) to an instruction, or to a conversation (its messages, the last the user's)
     under the chat template, greedy. A sharded base (FSDP, ZeRO-3) gathers its weights in every forward: with
     `synced_ranks` a rank that meets EOS first keeps running forwards until all have, instead of leaving the
     others waiting in a gather."""
@@ -98,7 +98,7 @@ def answer(reft_model, tokenizer, instruction: str | list[dict[str, str]], posit
 
 
 def summary(answers: list[tuple[str, int, bool]]) -> dict:
-    """What can be said of answers without a judge: how many, their mean length in characters and tokens, how
+    """Summarize what can be said of answers without a judge: how many, their mean length in characters and tokens, how
     many are empty and how many were cut at --max_new_tokens."""
     count = len(answers)
     return {"answers": count,
@@ -110,7 +110,7 @@ def summary(answers: list[tuple[str, int, bool]]) -> dict:
 
 def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int,
                    synced_ranks: bool = False) -> str:
-    """The end-of-run view: --num_sample_answers held-out instructions, base vs ReFT. `synced_ranks`: every
+    """Build the end-of-run view: --num_sample_answers held-out instructions, base vs ReFT. `synced_ranks`: every
     rank generates (a sharded base), in step."""
     rows = [(instruction, *answer(reft_model, tokenizer, instruction, position, args.share_weights, num_layers,
                                   args.max_new_tokens, prompt_template=args.prompt_template,
@@ -126,7 +126,7 @@ def _wrap(text: str, width: int) -> list[str]:
 
 def side_by_side(rows: list[tuple[str, str, str]], width: int | None = None,
                  headers: tuple[str, str] = ("BASE MODEL", "REFT MODEL")) -> str:
-    """Instruction, then two answers (by default base and ReFT) in two columns."""
+    """Lay out each instruction, then two answers (by default base and ReFT) in two columns."""
     width = width or min(shutil.get_terminal_size((120, 20)).columns, 140)
     column = (width - 3) // 2
     lines = []

@@ -13,7 +13,7 @@ from alpaca.flag_values import sharding_flag
 
 
 def launched_alone_as_world_of_one() -> None:
-    """Plain `python train_multigpu.py`: the environment torchrun gives a world of one process, on a free port."""
+    """Give plain `python train_multigpu.py` the environment torchrun gives a world of one process, on a free port."""
     if "RANK" in os.environ:  # torchrun or accelerate launched it
         return
     with socket.socket() as probe:
@@ -23,7 +23,7 @@ def launched_alone_as_world_of_one() -> None:
 
 
 def exit_if_launched_on_several_processes(prog: str) -> None:
-    """train.py under torchrun: every rank would train on all the data and overwrite the others' output."""
+    """Refuse train.py under torchrun: every rank would train on all the data and overwrite the others' output."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         sys.exit(f"{prog}: error: launched on {world_size} processes (WORLD_SIZE={world_size}); {prog} trains "
@@ -31,16 +31,16 @@ def exit_if_launched_on_several_processes(prog: str) -> None:
 
 
 def is_main_process() -> bool:
-    """Rank 0, or not distributed. Every rank parses and validates; rank 0 reports a mistake."""
+    """Tell whether this is rank 0, or not distributed. Every rank parses and validates; rank 0 reports a mistake."""
     return os.environ.get("RANK", "0") == "0"
 
 
 def follow_accelerate_launch(args: argparse.Namespace) -> None:
-    """`accelerate launch --use_deepspeed` and `--use_fsdp` tell the script through its environment (accelerate 1.x:
-    ACCELERATE_USE_DEEPSPEED and ACCELERATE_DEEPSPEED_CONFIG_FILE; ACCELERATE_USE_FSDP and FSDP_OFFLOAD_PARAMS),
-    which accelerate's own Accelerator would read. These scripts have none, so they read them here: the run is
-    the one of --deepspeed CONFIG.json or --fsdp, never a silent DDP run. The other DeepSpeed and FSDP settings
-    of accelerate are not read: the config file and the flags give them."""
+    """Follow `accelerate launch --use_deepspeed` and `--use_fsdp`: they tell the script through its environment
+    (accelerate 1.x: ACCELERATE_USE_DEEPSPEED and ACCELERATE_DEEPSPEED_CONFIG_FILE; ACCELERATE_USE_FSDP and
+    FSDP_OFFLOAD_PARAMS), which accelerate's own Accelerator would read. These scripts have none, so they read them
+    here: the run is the one of --deepspeed CONFIG.json or --fsdp, never a silent DDP run. The other DeepSpeed and FSDP
+    settings of accelerate are not read: the config file and the flags give them."""
     launched_with = [name for name, variable in (("--use_deepspeed", "ACCELERATE_USE_DEEPSPEED"),
                                                  ("--use_fsdp", "ACCELERATE_USE_FSDP"))
                      if os.environ.get(variable, "").lower() == "true"]
@@ -69,7 +69,7 @@ ACCELERATE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def follow_accelerate_precision_and_dynamo(args: argparse.Namespace) -> None:
-    """`accelerate launch` passes its mixed precision and dynamo backend (its flags, else its saved config) as
+    """Follow the mixed precision and dynamo backend `accelerate launch` passes (its flags, else its saved config) as
     ACCELERATE_MIXED_PRECISION and ACCELERATE_DYNAMO_BACKEND ("no" when unset). bf16/fp16 are read as HF's
     Trainer reads them, as --bf16 and --fp16 (here: the base in that dtype, the interventions in float32);
     inductor as --torch_compile. What the scripts cannot run is refused, and so is a flag that says otherwise:

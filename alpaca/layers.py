@@ -9,7 +9,7 @@ from alpaca.errors import UsageError
 
 
 def decoder_layer_list(model) -> str:
-    """The dotted name of the model's list of decoder layers, found as transformers finds a model's parts: the
+    """Return the dotted name of the model's list of decoder layers, found as transformers finds a model's parts: the
     `ModuleList` in its decoder (`get_decoder()`: the language model of a multimodal one) whose blocks are its
     `_no_split_modules` (the blocks HF's device map keeps whole and its FSDP wrapping wraps)."""
     blocks = set(getattr(model, "_no_split_modules", None) or [])
@@ -24,12 +24,12 @@ def decoder_layer_list(model) -> str:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The repeated blocks: --fsdp's units and --gradient_checkpointing's recomputed regions."""
+    """Return the repeated blocks: --fsdp's units and --gradient_checkpointing's recomputed regions."""
     return model.get_submodule(decoder_layer_list(model))
 
 
 def offloaded(module) -> bool:
-    """Whether accelerate brings the module's weights in for each forward and drops them after (a map put it on
+    """Tell whether accelerate brings the module's weights in for each forward and drops them after (a map put it on
     disk, or on the CPU of a process with GPUs): an AlignDevicesHook with `offload` on it or a submodule."""
     hooks = [submodule._hf_hook for submodule in module.modules() if hasattr(submodule, "_hf_hook")]
     return any(getattr(single, "offload", False) for hook in hooks

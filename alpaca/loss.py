@@ -10,7 +10,7 @@ from alpaca.workarounds import set_train_mode
 
 
 def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: bool = False) -> torch.Tensor:
-    """Per-token losses of one micro-batch with the interventions applied: [batch, positions from the first
+    """Compute the per-token losses of one micro-batch with the interventions applied: [batch, positions from the first
     label on], 0 where there is no label.
 
     No attention mask by default. With right padding and causal attention a real token attends to real
@@ -56,12 +56,12 @@ def token_losses(reft_model, batch: dict, device: torch.device, attention_mask: 
 
 
 def summed_token_loss(reft_model, batch: dict, device: torch.device) -> torch.Tensor:
-    """Sum (not mean) of the per-token losses of one micro-batch, with the interventions applied, on `device`."""
+    """Sum (not average) the per-token losses of one micro-batch, with the interventions applied, on `device`."""
     return token_losses(reft_model, batch, device).sum().to(device)
 
 
 def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world_size: int = 1) -> torch.Tensor:
-    """The micro-batch's share of the step loss: sum over its tokens / label tokens in the whole step.
+    """Return the micro-batch's share of the step loss: sum over its tokens / label tokens in the whole step.
 
     Summed over all micro-batches (and ranks) this is the mean over every label token of the
     optimizer step, so the gradient does not depend on how the step is cut into micro-batches,
@@ -73,8 +73,8 @@ def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world
 @torch.no_grad()
 def evaluate(reft_model, dataset, eval_order: list[list[int]], collate, device: torch.device, rank: int = 0,
              world_size: int = 1, sharded_base: bool = False) -> torch.Tensor:
-    """(summed token loss, label tokens) over this rank's batches of `eval_order` (every world_size-th), in
-    float64 on `device`, with the interventions in eval mode (no dropout). Ranks all-reduce these two
+    """Compute the summed token loss and the label tokens over this rank's batches of `eval_order` (every
+    world_size-th), in float64 on `device`, with the interventions in eval mode (no dropout). Ranks all-reduce these two
     numbers: the eval loss is their ratio.
 
     A sharded base (FSDP, ZeRO-3) answers only when every rank runs each forward, and ranks may hold one

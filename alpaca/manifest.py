@@ -20,7 +20,7 @@ _NOT_A_MANIFEST = f"damaged ({MANIFEST} is not a manifest of this format)"
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    """Where the converted default model and tokenized datasets live (--cache_dir overrides)."""
+    """Return where the converted default model and tokenized datasets live (--cache_dir overrides)."""
     if cache_dir:
         return Path(cache_dir)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reft-alpaca"
@@ -35,7 +35,8 @@ def sha256(path: Path) -> str:
 
 
 def write_manifest(directory: Path, **fields) -> None:
-    """`fields` and every file of `directory` (flat, as save_pretrained, save_to_disk and checkpoints write)."""
+    """Write the manifest: `fields` and every file of `directory` (flat, as save_pretrained, save_to_disk and
+    checkpoints write)."""
     files = {path.name: {"bytes": path.stat().st_size, "sha256": sha256(path)}
              for path in sorted(directory.iterdir()) if path.name != MANIFEST}
     with open(directory / MANIFEST, "w") as file:  # a plain write: a full disk surfaces as OSError(ENOSPC)
@@ -43,7 +44,7 @@ def write_manifest(directory: Path, **fields) -> None:
 
 
 def read_manifest(directory: Path) -> dict | str:
-    """The manifest as a dict, or what is wrong with it (missing or not JSON: its writing never finished)."""
+    """Return the manifest as a dict, or what is wrong with it (missing or not JSON: its writing never finished)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -52,14 +53,15 @@ def read_manifest(directory: Path) -> dict | str:
 
 
 def _is_entry(name, entry) -> bool:
-    """A file of the directory itself (no path that leads elsewhere) with a size and a SHA-256."""
+    """Tell whether a manifest entry is a file of the directory itself (no path that leads elsewhere) with a size and a
+    SHA-256."""
     return (isinstance(name, str) and name not in ("", ".", "..", MANIFEST) and "/" not in name and "\\" not in name
             and isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
             and isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"]) is not None)
 
 
 def files_problem(directory: Path, manifest: dict, required: tuple[str, ...] = ()) -> str | None:
-    """What is wrong with `directory` against its manifest (any shape but the expected one counts as damage),
+    """Return what is wrong with `directory` against its manifest (any shape but the expected one counts as damage),
     or None if every file it lists, `required` among them, is there with its size and SHA-256."""
     files = manifest.get("files")
     if not isinstance(files, dict) or not files or not all(_is_entry(name, entry) for name, entry in files.items()):
@@ -82,7 +84,7 @@ def directory_problem(directory: Path) -> str | None:
 
 
 def cached_directory(path: Path, build: Callable[[Path], None], what: str) -> Path:
-    """`path`, a cache directory that `build(directory)` fills: reused when it matches its manifest, else
+    """Return `path`, a cache directory that `build(directory)` fills: reused when it matches its manifest, else
     (re)built, with a one-line notice if it was there but damaged. Built next to it and renamed into place, so
     concurrent first runs (ranks, parallel jobs) never see half of one: the first rename wins, the others drop
     their copy."""

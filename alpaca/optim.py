@@ -14,9 +14,9 @@ from alpaca.step_schedule import StepSchedule
 
 
 def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
-    """AdamW groups. The rotation of LoReFT, DiReFT, LobiReFT and ConsReFT is torch's orthogonal
-    parametrization (Householder map), whose underlying parameter keeps +-1 signs on its diagonal, read
-    with `.int()`: one step of decoupled weight decay turns 1.0 into 0.99..., which truncates to 0 and
+    """Split the interventions' parameters into AdamW groups. The rotation of LoReFT, DiReFT, LobiReFT and ConsReFT is
+    torch's orthogonal parametrization (Householder map), whose underlying parameter keeps +-1 signs on its diagonal,
+    read with `.int()`: one step of decoupled weight decay turns 1.0 into 0.99..., which truncates to 0 and
     zeroes the rotation (the loss goes flat). So no parametrized parameter gets weight decay; nor do
     biases, as usual."""
     decay, no_decay = [], []
@@ -29,7 +29,7 @@ def optimizer_param_groups(reft_model, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(reft_model, args: argparse.Namespace, schedule: StepSchedule):
-    """AdamW (rotation and biases without weight decay) and the HF schedule named by --lr_scheduler_type."""
+    """Build AdamW (rotation and biases without weight decay) and the HF schedule named by --lr_scheduler_type."""
     optimizer = torch.optim.AdamW(optimizer_param_groups(reft_model, args.weight_decay), lr=args.learning_rate,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                   fused=True if args.optim == "adamw_torch_fused" else None)
@@ -53,14 +53,14 @@ def clip_and_step(parameters: list[torch.Tensor], optimizer: torch.optim.Optimiz
 
 
 def non_finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-    """True on the device where the step's loss or gradient norm is inf or NaN. The loss is checked too: an
+    """Return True, on the device, where the step's loss or gradient norm is inf or NaN. The loss is checked too: an
     infinite loss need not make the gradient non-finite (a loss clamped or detached on the way, a term whose
     gradient vanishes)."""
     return ~(torch.isfinite(loss).to(grad_norm.device) & torch.isfinite(grad_norm))
 
 
 def masked_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """optimizer.step(), undone on the device where `skip` is true, as GradScaler's skipped step (which only torch's
+    """Run optimizer.step(), undone on the device where `skip` is true, as GradScaler's skipped step (which only torch's
     fused optimizers take, and then with their own numerics): the parameters and the optimizer state are put back
     as they were, the state a first step creates back to zeros, AdamW's fresh state. The host never reads `skip`.
     A step count that torch keeps on the host while `skip` is on a GPU (AdamW but fused or capturable) counts the

@@ -42,7 +42,7 @@ LOSS_PLOT_FILE = "loss.png"
 
 
 def save_interventions(reft_model, directory: str | os.PathLike) -> None:
-    """`config.json` + `intkey_*.bin`, loadable with `pyreft.ReftModel.load(directory, base_model)`.
+    """Write `config.json` + `intkey_*.bin`, loadable with `pyreft.ReftModel.load(directory, base_model)`.
 
     pyvene's `save` pickles tensors on their training device, so a run saved on a GPU would not load
     on a CPU-only machine: we rewrite each binary with CPU tensors, in the same layout. Files are
@@ -64,7 +64,7 @@ def save_interventions(reft_model, directory: str | os.PathLike) -> None:
 
 
 def load_reft_model(directory: str | os.PathLike, base_model):
-    """The ReFT model saved in `directory` (pyreft's format), on the base model's device, computing as training
+    """Load the ReFT model saved in `directory` (pyreft's format), on the base model's device, computing as training
     did: interventions in float32, their outputs in the base's dtype (alpaca.workarounds.compute_in_float32).
 
     It reads pyreft's files itself rather than through `pyreft.ReftModel.load`, which fails on NoReFT and
@@ -119,7 +119,7 @@ def load_reft_model(directory: str | os.PathLike, base_model):
 
 
 def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved) -> None:
-    """The run's first write to its output directory: a finished run there is finished no more."""
+    """Save the arguments, the run's first write to its output directory: a finished run there is finished no more."""
     (Path(directory) / FINISHED_FILE).unlink(missing_ok=True)
     with open(Path(directory) / ARGS_FILE, "w") as file:
         json.dump({**vars(args), **resolved}, file, indent=2, default=str)
@@ -144,7 +144,7 @@ class LogWindow:
         self.tokens_seen = 0  # since the start of this process, for its throughput
 
     def add(self, summed_loss: torch.Tensor, batch: dict) -> None:
-        """A micro-batch's summed token loss (on the device) and the tokens its collator counted."""
+        """Add a micro-batch's summed token loss (on the device) and the tokens its collator counted."""
         self.add_sums(loss_sum=summed_loss, label_tokens=batch["num_label_tokens"], tokens=batch["num_tokens"])
         self.tokens_seen += batch["num_tokens"]
 
@@ -154,8 +154,8 @@ class LogWindow:
             self.sums[name] = self.sums[name] + (value.detach().double() if isinstance(value, torch.Tensor) else value)
 
     def totals(self) -> torch.Tensor:
-        """The sums in SUMS order, float64 on the device: what ranks all-reduce (one collective); `named` reads it
-        back. The host's sums travel to the device in one copy."""
+        """Return the sums in SUMS order, float64 on the device: what ranks all-reduce (one collective); `named` reads
+        it back. The host's sums travel to the device in one copy."""
         values = [self.sums[name] for name in self.SUMS]
         host = torch.tensor([0 if isinstance(value, torch.Tensor) else value for value in values],
                             dtype=torch.float64, device=self.device)
@@ -164,12 +164,12 @@ class LogWindow:
 
     @classmethod
     def named(cls, totals: torch.Tensor) -> dict[str, float]:
-        """`totals`' values by name (a read of the device: a logging step's or a checkpoint's)."""
+        """Return `totals`' values by name (a read of the device: a logging step's or a checkpoint's)."""
         return dict(zip(cls.SUMS, totals.tolist(), strict=True))
 
     @classmethod
     def restored(cls, saved: dict[str, float] | list) -> dict[str, float]:
-        """The CARRIED sums of a checkpoint's window (`named` totals, summed over ranks)."""
+        """Return the CARRIED sums of a checkpoint's window (`named` totals, summed over ranks)."""
         if not isinstance(saved, dict) or not set(cls.CARRIED) <= saved.keys():
             raise UsageError("the checkpoint's logging window lacks the sums this version carries over a resume "
                              f"({', '.join(cls.CARRIED)}): it was written by another version of these scripts; resume "
@@ -182,7 +182,7 @@ class LogWindow:
 
 def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
                ready_s: float, processes: int = 1, placement: str = "") -> str:
-    """The line a run starts with: data and model, the global batch and the step schedule, where it resumes."""
+    """Return the line a run starts with: data and model, the global batch and the step schedule, where it resumes."""
     per_process = f"{processes} processes x " if processes > 1 or placement else ""
     return (f"{summary}\nglobal batch {schedule.global_batch_size} = {args.per_device_train_batch_size} per device x "
             f"{per_process}{args.gradient_accumulation_steps} accumulation"
@@ -196,14 +196,14 @@ def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int 
 
 def train_record(step: int, steps_per_epoch: int, sums: dict[str, float], learning_rate: float, grad_norm: float,
                  window_seconds: float, elapsed_s: float) -> dict:
-    """A training log record from a window's sums since the last one, summed over ranks (LogWindow.named)."""
+    """Build a training log record from a window's sums since the last one, summed over ranks (LogWindow.named)."""
     return {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": sums["loss_sum"] / sums["label_tokens"],
             "learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_s": sums["tokens"] / window_seconds,
             "elapsed_s": elapsed_s}
 
 
 def eval_record(step: int, steps_per_epoch: int, totals: list[float], num_examples: int, seconds: float) -> dict:
-    """An evaluation log record from (summed loss, label tokens) over the whole evaluation set."""
+    """Build an evaluation log record from (summed loss, label tokens) over the whole evaluation set."""
     loss_sum, label_tokens = totals
     return {"step": step, "epoch": round(step / steps_per_epoch, 4), "eval_loss": loss_sum / label_tokens,
             "eval_label_tokens": int(label_tokens), "eval_examples": num_examples, "eval_s": seconds}
@@ -216,8 +216,8 @@ class MetricsLog:
 
     def __init__(self, directory: str | os.PathLike, args: argparse.Namespace, resume_step: int = 0,
                  wandb_run_id: str | None = None, disable: bool = False, **resolved):
-        """A resumed run keeps the records up to its checkpoint (a killed run may have logged past it) and
-        continues the same wandb run."""
+        """Start the run's log: a resumed run keeps the records up to its checkpoint (a killed run may have logged past
+        it) and continues the same wandb run."""
         self.disable, self.wandb_run = disable, None
         if disable:
             return
@@ -262,7 +262,7 @@ class MetricsLog:
         return read_metrics(self.path.parent)
 
     def loss_summary(self) -> str:
-        """'loss first -> last' of the logged training loss, and of the eval loss when there is one."""
+        """Summarize the logged training loss as 'loss first -> last', and the eval loss when there is one."""
         records = self.records()
         summary = []
         for key, name in (("loss", "loss"), ("eval_loss", "eval loss")):
@@ -273,7 +273,7 @@ class MetricsLog:
 
 
 def _has_wandb_credentials() -> bool:
-    """An API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
+    """Tell whether there is an API key in the environment or in ~/.netrc (where `wandb login` puts it)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
@@ -284,7 +284,7 @@ def _has_wandb_credentials() -> bool:
 
 
 def start_wandb(args: argparse.Namespace, config: dict, run_id: str | None = None):
-    """A wandb run that never prompts: without credentials (and no WANDB_MODE) it runs offline.
+    """Start a wandb run that never prompts: without credentials (and no WANDB_MODE) it runs offline.
     With `run_id` (from a checkpoint) it continues that run."""
     import wandb  # here: only --report_to wandb needs it, and its import takes seconds
 
@@ -298,7 +298,7 @@ def start_wandb(args: argparse.Namespace, config: dict, run_id: str | None = Non
 
 
 def finite_or_none(record: dict) -> dict:
-    """The record with a NaN or infinite number as None: JSON (RFC 8259) has no NaN or Infinity, which
+    """Return the record with a NaN or infinite number as None: JSON (RFC 8259) has no NaN or Infinity, which
     json.dumps writes as bare tokens that strict parsers refuse."""
     return {key: None if isinstance(value, float) and not math.isfinite(value) else value
             for key, value in record.items()}
@@ -342,14 +342,14 @@ def plot_loss(directory: str | os.PathLike) -> Path:
 
 
 def peak_memory(gpus: list[int]) -> str:
-    """The process's peak memory: allocated on each of its `gpus`, or resident without one."""
+    """Describe the process's peak memory: allocated on each of its `gpus`, or resident without one."""
     if not gpus:
         return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
     return ", ".join(f"cuda:{gpu} {torch.cuda.max_memory_allocated(gpu) / 2**30:.2f} GiB" for gpu in gpus)
 
 
 def quiet_non_main_rank() -> None:
-    """Ranks other than 0 print errors only: no stdout, progress bars or library warnings."""
+    """Make a rank other than 0 print errors only: no stdout, progress bars or library warnings."""
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     warnings.filterwarnings("ignore")
     logging.getLogger().setLevel(logging.ERROR)  # pyvene warns through the root logger

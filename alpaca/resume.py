@@ -22,8 +22,9 @@ from alpaca.step_schedule import StepSchedule
 
 
 def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
-    """Every random generator training draws from, as tensors (a weights-only load accepts them): the host's
-    and those of the process's GPUs (several under --device_map, whose interventions draw dropout on each)."""
+    """Return the state of every random generator training draws from, as tensors (a weights-only load accepts them):
+    the host's and those of the process's GPUs (several under --device_map, whose interventions draw dropout on
+    each)."""
     _, python_state, python_gauss = random.getstate()
     _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
     state = {"python": torch.tensor(python_state, dtype=torch.int64),
@@ -38,7 +39,8 @@ def rng_state(gpus: list[int]) -> dict[str, torch.Tensor]:
 
 
 def cuda_rng_key(index: int) -> str:
-    """The process's first GPU under "cuda" (the one a single-GPU run has); its others after it."""
+    """Name the state key of a GPU: the process's first GPU under "cuda" (the one a single-GPU run has); its others
+    after it."""
     return "cuda" if index == 0 else f"cuda{index}"
 
 
@@ -93,7 +95,7 @@ def restore_training_state(checkpoint: tuple[dict, dict], args: argparse.Namespa
 
 
 def resume_learning_rate(scheduler, optimizer_state: dict, learning_rate: float) -> None:
-    """The schedule goes on from its step at this run's --learning_rate: the way on from a diverging run's newest
+    """Set the schedule to go on from its step at this run's --learning_rate: the way on from a diverging run's newest
     checkpoint is a lower one (alpaca.divergence). The saved optimizer groups take the schedule's rate, which loading
     them restores; with the checkpoint's own --learning_rate every value is the saved one, bit for bit."""
     saved_peak = scheduler.base_lrs[0]
@@ -140,14 +142,14 @@ BOUND_OTHERWISE = (
 
 
 def bound_flags() -> list[str]:
-    """The flags a checkpoint records and a resume must keep: those of the parser (train_multigpu.py's, a
+    """List the flags a checkpoint records and a resume must keep: those of the parser (train_multigpu.py's, a
     superset of train.py's) on neither list above."""
     parsed = vars(build_parser("train_multigpu.py", multigpu=True).parse_args([]))
     return [name for name in parsed if name not in NOT_BOUND and name not in BOUND_OTHERWISE]
 
 
 def bound_flag_values(args: argparse.Namespace, num_layers: int, dtype: torch.dtype) -> dict:
-    """bound_flags' values, normalized: --layers all as the list of layers, --position in one spelling, --dtype
+    """Return bound_flags' values, normalized: --layers all as the list of layers, --position in one spelling, --dtype
     auto as the dtype it resolved to. A flag train.py lacks is None there."""
     first_n, last_n = parse_position(args.position)
     flags = {name: getattr(args, name, None) for name in bound_flags()}
@@ -158,7 +160,7 @@ def bound_flag_values(args: argparse.Namespace, num_layers: int, dtype: torch.dt
 
 
 def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
-    """What a checkpoint is bound to: the training data as trained on (content), the base model (config,
+    """Fingerprint what a checkpoint is bound to: the training data as trained on (content), the base model (config,
     tokenizer, weights: alpaca.model.model_fingerprint) and the bound flags (bound_flag_values)."""
     return {"data": records_fingerprint(records), "model": model_fingerprint(model.name_or_path, args.cache_dir),
             "flags": bound_flag_values(args, model.config.num_hidden_layers, model.dtype)}
@@ -200,7 +202,7 @@ def describe_geometry(g: dict) -> str:
 
 def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int,
                     bound_to: str = "the checkpoint") -> None:
-    """The batch plan must be the same one: same global batch, seed and prompts; the world size may change."""
+    """Check that the batch plan is the same one: same global batch, seed and prompts; the world size may change."""
     saved, current = trainer_state["geometry"], geometry(args, world_size)
     if saved["global_batch_size"] != current["global_batch_size"]:
         raise UsageError(f"{bound_to} was written with {describe_geometry(saved)}, this run has "
@@ -217,7 +219,7 @@ def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: i
 
 def finished_record(step: int, args: argparse.Namespace, world_size: int, num_examples: int,
                     fingerprint: dict) -> dict:
-    """What a finished run leaves of itself next to its output (alpaca.output.FINISHED_FILE): its last step and
+    """Return what a finished run leaves of itself next to its output (alpaca.output.FINISHED_FILE): its last step and
     what a resume of it is checked against, as a checkpoint's trainer_state.json records them."""
     return {"step": step, "geometry": geometry(args, world_size), "seed": args.seed, "num_examples": num_examples,
             "prompt_template": args.prompt_template, "fingerprint": fingerprint, "learning_rate": args.learning_rate}
@@ -225,7 +227,7 @@ def finished_record(step: int, args: argparse.Namespace, world_size: int, num_ex
 
 def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_examples: int, fingerprint: dict,
                    total_steps: int) -> str:
-    """--resume_from_checkpoint auto in a finished run's directory: the line saying there is nothing to train when
+    """Check --resume_from_checkpoint auto in a finished run's directory: the line saying there is nothing to train when
     this run is that run; refused like any resume when it differs, and when it asks for another number of steps
     (the output keeps no optimizer state to go on from)."""
     check_resumable(record, args, world_size, num_examples, "the finished run")

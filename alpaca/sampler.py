@@ -16,7 +16,7 @@ MEGABATCH = 50  # global batches per length-sorted group, as in HF's LengthGroup
 
 def global_batches(num_examples: int, global_batch_size: int, seed: int, epoch: int,
                    lengths: np.ndarray | None = None, shuffle: bool = True) -> list[list[int]]:
-    """The epoch's example order, cut into global batches (one may be partial).
+    """Cut the epoch's example order into global batches (one may be partial).
 
     It depends only on (seed, epoch, the examples' lengths, global batch size): one process and N
     processes with the same global batch walk through exactly the same batches, which is what makes
@@ -66,7 +66,7 @@ class DistributedGlobalBatchSampler(Sampler[list[int]]):
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
-        """A new order for each epoch, as with DistributedSampler; call it before each epoch's iteration."""
+        """Draw a new order for each epoch, as with DistributedSampler; call it before each epoch's iteration."""
         self.epoch = epoch
         self.global_batches = global_batches(self.num_examples, self.global_batch_size, self.seed, epoch,
                                              self.lengths, self.shuffle)
@@ -76,7 +76,7 @@ class DistributedGlobalBatchSampler(Sampler[list[int]]):
         self.start = batch_index
 
     def __len__(self) -> int:
-        """Items (optimizer steps) left in this epoch from the start position."""
+        """Count the items (optimizer steps) left in this epoch from the start position."""
         return max(0, len(self.global_batches) - self.start)
 
     def __iter__(self):
@@ -84,13 +84,13 @@ class DistributedGlobalBatchSampler(Sampler[list[int]]):
             yield self.share(global_batch, self.rank)
 
     def share(self, global_batch: list[int], rank: int) -> list[int]:
-        """`rank`'s micro-batches of a global batch, concatenated."""
+        """Concatenate `rank`'s micro-batches of a global batch."""
         micro_batches = rank_micro_batches(global_batch, rank, self.num_replicas, self.per_device_batch_size,
                                            self.accumulation_steps)
         return [index for micro_batch in micro_batches for index in micro_batch]
 
     def micro_steps(self, batch_index: int) -> int:
-        """The forwards every rank runs in this global batch of the epoch: the accumulation steps, or with packing
+        """Count the forwards every rank runs in this global batch of the epoch: the accumulation steps, or with packing
         the most packs a rank's share makes (a rank with fewer makes up the rest with placeholders where the
         strategy's collectives need them). Every rank finds the same, with no communication."""
         if self.packing is None:
@@ -103,7 +103,7 @@ class DistributedGlobalBatchSampler(Sampler[list[int]]):
 def rank_micro_batches(
     global_batch: list[int], rank: int, world_size: int, per_device_batch_size: int, accumulation_steps: int
 ) -> list[list[int]]:
-    """This rank's `accumulation_steps` micro-batches of a global batch.
+    """Return this rank's `accumulation_steps` micro-batches of a global batch.
 
     The global batch is cut into consecutive chunks of `per_device_batch_size`; chunk k goes to
     micro-step k // world_size of rank k % world_size. In a partial global batch some
@@ -118,7 +118,7 @@ def rank_micro_batches(
 
 
 def eval_batches(lengths: np.ndarray, batch_size: int) -> list[list[int]]:
-    """The evaluation set sorted by length (least padding) and cut into batches. The eval loss is a sum over
+    """Sort the evaluation set by length (least padding) and cut it into batches. The eval loss is a sum over
     tokens, so it does not depend on how the batches are spread over ranks."""
     order = np.argsort(-lengths, kind="stable")
     return [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]

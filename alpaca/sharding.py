@@ -42,7 +42,7 @@ from alpaca.errors import UsageError
 
 def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str | None = None,
                      reader: str = "--fsdp"):
-    """The base model with its parameters on the meta device (no memory) and its buffers computed on the
+    """Build the base model with its parameters on the meta device (no memory) and its buffers computed on the
     CPU as usual (rotary tables: small, and not all of them are in the checkpoint). Frozen, eval mode.
     `reader` is the flag that reads it in parts (--fsdp, ZeRO-3), named by the errors."""
     safetensors_index(model_name_or_path, cache_dir, reader)  # no safetensors: say so now, not after the sharding
@@ -56,9 +56,10 @@ def empty_base_model(model_name_or_path: str, dtype: torch.dtype, cache_dir: str
 
 
 def quantize_empty_base(model, config) -> None:
-    """--fsdp with --load_in_4bit: transformers' bitsandbytes quantizer turns the meta base's linear layers into
-    Linear4bit, the layers and settings `from_pretrained(quantization_config=config)` quantizes; each weight then
-    takes the shape of its packed bytes (bitsandbytes' (n + 1) // 2 x 1 uint8), which fully_shard shards by rows."""
+    """Quantize the meta base for --fsdp with --load_in_4bit: transformers' bitsandbytes quantizer turns the meta base's
+    linear layers into Linear4bit, the layers and settings `from_pretrained(quantization_config=config)` quantizes; each
+    weight then takes the shape of its packed bytes (bitsandbytes' (n + 1) // 2 x 1 uint8), which fully_shard shards by
+    rows."""
     import bitsandbytes as bnb
     from transformers.quantizers import AutoHfQuantizer
 
@@ -79,7 +80,7 @@ def quantize_empty_base(model, config) -> None:
 
 def safetensors_index(model_name_or_path: str, cache_dir: str | None = None,
                       reader: str = "--fsdp") -> dict[str, Path]:
-    """Each tensor name of the checkpoint and the safetensors file that holds it: from a local directory,
+    """Map each tensor name of the checkpoint to the safetensors file that holds it: from a local directory,
     or from a hub name's cached snapshot (downloaded once per node by the first caller)."""
     directory = Path(os.path.expanduser(model_name_or_path))
     if not directory.is_dir():
@@ -134,7 +135,7 @@ def load_shards(model: torch.nn.Module, model_name_or_path: str, device: torch.d
 
 def checkpoint_index(model: torch.nn.Module, model_name_or_path: str, cache_dir: str | None,
                      reader: str) -> dict[str, Path]:
-    """safetensors_index, checked to hold every parameter of `model` under its name."""
+    """Return safetensors_index, checked to hold every parameter of `model` under its name."""
     index = safetensors_index(model_name_or_path, cache_dir, reader)
     missing = [name for name, _ in model.named_parameters() if name not in index]
     if missing:
@@ -147,7 +148,7 @@ def checkpoint_index(model: torch.nn.Module, model_name_or_path: str, cache_dir:
 
 def place_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], index: dict[str, Path],
                   device: torch.device) -> None:
-    """Each of `buffers` (name: the value computed at construction) onto `device` in `model`, with the
+    """Place each of `buffers` (name: the value computed at construction) onto `device` in `model`, with the
     checkpoint's value where it has one."""
     for name, buffer in buffers.items():
         module_name, _, buffer_name = name.rpartition(".")
@@ -158,7 +159,7 @@ def place_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], inde
 
 
 def read_rows(file: Path, name: str, rows: slice | None = None) -> torch.Tensor:
-    """Tensor `name` of a safetensors file, or only its `rows`. safe_open maps the whole file; the pages a
+    """Read tensor `name` of a safetensors file, or only its `rows`. safe_open maps the whole file; the pages a
     read touches count in this rank's resident memory until the map is closed. So one map per read: the file
     pages resident at once are one slice's."""
     with safe_open(file, framework="pt") as opened:
@@ -168,7 +169,7 @@ def read_rows(file: Path, name: str, rows: slice | None = None) -> torch.Tensor:
 
 def read_quantized_rows(file: Path, name: str, rows: slice | None = None, *, module, config,
                         device: torch.device) -> torch.Tensor:
-    """The packed 4-bit bytes of weight `name` of bitsandbytes' Linear4bit `module`, or only their `rows`: the
+    """Return the packed 4-bit bytes of weight `name` of bitsandbytes' Linear4bit `module`, or only their `rows`: the
     whole tensor read, cast to the compute dtype and quantized on `device` as transformers' loader does it (the
     same bytes as `--load_in_4bit` on one process); NF4's scales run along the flattened tensor, so no rank can
     quantize its rows alone. The module keeps the quantization state (the scales), whole: FSDP2's gathered
@@ -183,7 +184,7 @@ def read_quantized_rows(file: Path, name: str, rows: slice | None = None, *, mod
 
 
 def read_elements(file: Path, name: str, start: int, stop: int) -> torch.Tensor:
-    """Elements [start, stop) of tensor `name` flattened (a ZeRO-3 partition), read as the whole rows that
+    """Return elements [start, stop) of tensor `name` flattened (a ZeRO-3 partition), read as the whole rows that
     hold them: at most part of a row more on either side."""
     with safe_open(file, framework="pt") as opened:
         tensor_slice = opened.get_slice(name)
@@ -203,12 +204,12 @@ def check_loaded(model: torch.nn.Module) -> None:
 
 
 def return_freed_buffers_to_the_os() -> None:
-    """Sharded on the CPU, each rank all-gathers every unit into fresh host memory and frees it after use.
-    glibc serves large allocations with mmap and unmaps them when freed, but raises its mmap threshold to
-    the size of each such chunk freed: from the second unit on, the gathered units come from the heap,
-    which keeps what is freed (more than a model copy per rank within two steps). Setting the threshold
-    fixes it (and turns that adjustment off); at 64 KiB, what a step frees is returned (a larger threshold
-    keeps part of a model copy from step to step). Set as the strategy is chosen, before the data and the
+    """Return the buffers a rank frees to the OS (glibc's mmap threshold). Sharded on the CPU, each rank all-gathers
+    every unit into fresh host memory and frees it after use. glibc serves large allocations with mmap and unmaps them
+    when freed, but raises its mmap threshold to the size of each such chunk freed: from the second unit on, the
+    gathered units come from the heap, which keeps what is freed (more than a model copy per rank within two steps).
+    Setting the threshold fixes it (and turns that adjustment off); at 64 KiB, what a step frees is returned (a larger
+    threshold keeps part of a model copy from step to step). Set as the strategy is chosen, before the data and the
     model load: a heap grown before it is set serves the partitions and keeps what they free."""
     libc_name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(libc_name) if libc_name else None

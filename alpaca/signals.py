@@ -10,8 +10,8 @@ LAUNCHER_WAIT_S = 30
 
 
 def wait_for_launcher() -> None:
-    """On a rank other than 0, which has found a mistake that rank 0 usually finds too and reports: wait (up to
-    LAUNCHER_WAIT_S) for the launcher to stop this process once rank 0 has exited. Leaving first could get rank
+    """Wait (up to LAUNCHER_WAIT_S) for the launcher to stop this process once rank 0 has exited, on a rank other
+    than 0 which has found a mistake that rank 0 usually finds too and reports. Leaving first could get rank
     0 stopped before it has printed. A stop signal ends the wait and the process, whatever handlers training
     installed."""
     for number in (signal.SIGTERM, signal.SIGINT):

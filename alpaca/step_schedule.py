@@ -33,7 +33,7 @@ class StepSchedule:
         warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
 
         def interval(steps: float) -> int:
-            """HF semantics: a value below 1 is a fraction of the run."""
+            """Convert an interval flag to steps, with HF semantics: a value below 1 is a fraction of the run."""
             return max(1, math.ceil(steps * total) if steps < 1 else int(steps))
 
         eval_steps = args.eval_steps or args.logging_steps  # HF: eval_steps defaults to logging_steps
@@ -45,7 +45,8 @@ class StepSchedule:
         return step % self.logging_interval == 0 or step == self.total_steps
 
     def should_evaluate(self, step: int, end_of_epoch: bool) -> bool:
-        """At each --eval_strategy point, and after the last step so every run reports a final eval loss."""
+        """Tell whether to evaluate after this step: at each --eval_strategy point, and after the last step so every run
+        reports a final eval loss."""
         if self.eval_strategy == "no":
             return False
         if step == self.total_steps:
@@ -53,7 +54,8 @@ class StepSchedule:
         return end_of_epoch if self.eval_strategy == "epoch" else step % self.eval_interval == 0
 
     def should_save(self, step: int, end_of_epoch: bool, save_strategy: str) -> bool:
-        """A periodic checkpoint after this step? (Not after the last one: the final output follows.)"""
+        """Tell whether to save a periodic checkpoint after this step.
+        (Not after the last one: the final output follows.)"""
         if step == self.total_steps or save_strategy == "no":
             return False
         return end_of_epoch if save_strategy == "epoch" else step % self.save_interval == 0

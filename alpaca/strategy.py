@@ -76,7 +76,7 @@ class Strategy:
         return reft_model
 
     def placeholders(self, missing: int) -> int:
-        """Zero-weight micro-batches a rank runs when its share of a (partial) global batch is `missing`
+        """Count the zero-weight micro-batches a rank runs when its share of a (partial) global batch is `missing`
         micro-batches short: one for every missing one, since every forward or backward communicates."""
         return missing
 
@@ -84,7 +84,7 @@ class Strategy:
         return contextlib.nullcontext()
 
     def watch_finiteness(self) -> None:
-        """The step's loss, summed over its micro-batches, and the first step found non-finite (NO_STEP: none),
+        """Set up the step's loss, summed over its micro-batches, and the first step found non-finite (NO_STEP: none),
         kept on the device: the host reads them only where it reads the device anyway."""
         self.step_loss = torch.zeros((), device=self.device)
         self.first_non_finite = torch.tensor(NO_STEP, device=self.device)
@@ -113,7 +113,7 @@ class Strategy:
         self.step_loss.zero_()
 
     def first_non_finite_step(self) -> int | None:
-        """The first step whose loss or gradient norm was not finite on any rank, or None: a host read, and under
+        """Return the first step whose loss or gradient norm was not finite on any rank, or None: a host read, and under
         torch.distributed a collective (every rank calls it)."""
         first = self.first_non_finite.clone()
         if dist.is_initialized():
@@ -123,16 +123,16 @@ class Strategy:
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """The interventions whole on every rank for the block, so that one rank alone can read them."""
+        """Gather the interventions whole on every rank for the block, so that one rank alone can read them."""
         yield
 
     def optimizer_state(self) -> dict:
-        """The optimizer state as torch's AdamW writes it, for a checkpoint. A collective for some strategies:
+        """Return the optimizer state as torch's AdamW writes it, for a checkpoint. A collective for some strategies:
         every rank calls it."""
         return self.optimizer.state_dict()
 
     def owned(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The elements of the interventions' `parameters` this rank counts, each element on exactly one rank: a
+        """Return the elements of the interventions' `parameters` this rank counts, each element on exactly one rank: a
         sum over them, all-reduced, is the sum over the whole parameters (a metric: docs/adapting.md (h)). No
         communication. Replicated, they count on rank 0."""
         return parameters if not dist.is_initialized() or dist.get_rank() == 0 else []
@@ -158,7 +158,8 @@ class DDP(Strategy):
         return self.model
 
     def placeholders(self, missing: int) -> int:
-        """One, last: the gradient all-reduce needs every rank once per step; earlier micro-steps are local."""
+        """Return one placeholder, run last (none if nothing is missing): the gradient all-reduce needs every rank once
+        per step; earlier micro-steps are local."""
         return min(missing, 1)
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
@@ -246,9 +247,10 @@ class ZeRO(Strategy):
         zero.micro_step(self.engine, loss)
 
     def step(self, number: int) -> torch.Tensor:
-        """The engine clipped and stepped in the last micro-batch's backward. ZeRO-1/2 skip a step whose gradient
-        is not finite (DeepSpeed's own overflow check) and report its norm as inf; a step with a non-finite loss
-        but a finite gradient is applied, and noted, so that the run stops before it saves."""
+        """Read the gradient norm and note a non-finite step: the engine clipped and stepped in the last micro-batch's
+        backward. ZeRO-1/2 skip a step whose gradient is not finite (DeepSpeed's own overflow check) and report its norm
+        as inf; a step with a non-finite loss but a finite gradient is applied, and noted, so that the run stops before
+        it saves."""
         grad_norm = torch.as_tensor(self.engine.get_global_grad_norm(), device=self.device)
         self.note_non_finite(non_finite(self.step_loss, grad_norm), number)
         return grad_norm
@@ -260,12 +262,12 @@ class ZeRO(Strategy):
         return zero.optimizer_state(self.engine, self.optimizer, self.parameter_groups)
 
     def owned(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Under ZeRO-3 each rank's partition: outside a forward a parameter holds no elements."""
+        """Return, under ZeRO-3, each rank's partition: outside a forward a parameter holds no elements."""
         return [zero.own_partition(p) for p in parameters] if self.shards_base else super().owned(parameters)
 
 
 def shard_base_model(model, device: torch.device, offload: bool = False) -> None:
-    """FSDP2 over the frozen base: each decoder layer is a unit, all-gathered just before it runs and freed
+    """Shard the frozen base with FSDP2: each decoder layer is a unit, all-gathered just before it runs and freed
     after; so are untied input embeddings and LM head, the largest units of a small model. The root unit
     holds the rest (final norm; tied embeddings, one parameter, gathered for the whole forward and
     backward). Build the ReFT model first: pyvene finds its hook points by the model's class, which
@@ -288,15 +290,16 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
 
 
 def drop_deferred_all_gather(unit: torch.nn.Module, args: tuple) -> None:
-    """FSDP2 keeps a unit's all-gather buffer (the whole unit, beside its gathered copy) until the next unit
-    gathers, so that on a GPU its copy-out overlaps the next all-gather on another stream. A CPU has no such
-    streams: the buffer only doubles the largest unit (a float32 LM head) for the length of its forward, so it is
-    freed as soon as the unit is gathered."""
+    """Drop the unit's deferred all-gather buffer. FSDP2 keeps a unit's all-gather buffer (the whole unit, beside its
+    gathered copy) until the next unit gathers, so that on a GPU its copy-out overlaps the next all-gather on another
+    stream. A CPU has no such streams: the buffer only doubles the largest unit (a float32 LM head) for the length of
+    its forward, so it is freed as soon as the unit is gathered."""
     unit._get_fsdp_state()._comm_ctx.all_gather_state = None
 
 
 def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:
-    """NCCL sends contiguous tensors only (the orthogonal parametrization's are not)."""
+    """Broadcast `tensors` from rank 0, each made contiguous: NCCL sends contiguous tensors only (the orthogonal
+    parametrization's are not)."""
     for tensor in tensors:
         sent = tensor.data.contiguous()
         dist.broadcast(sent, src=0)
@@ -305,7 +308,7 @@ def broadcast_from_rank_zero(tensors: list[torch.Tensor]) -> None:
 
 
 def average_gradients(parameters: list[torch.Tensor]) -> None:
-    """DDP's gradient averaging, in one flat all-reduce, for replicated parameters outside DDP."""
+    """Average the gradients as DDP does, in one flat all-reduce, for replicated parameters outside DDP."""
     grads = [p.grad for p in parameters]
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat)
@@ -315,14 +318,14 @@ def average_gradients(parameters: list[torch.Tensor]) -> None:
 
 
 def no_forward_buffer_sync() -> dict[str, bool]:
-    """DDP's option not to re-broadcast buffers before every forward: `forward_sync_buffers` since torch
+    """Return DDP's option not to re-broadcast buffers before every forward: `forward_sync_buffers` since torch
     2.13, `broadcast_buffers` (deprecated there) before."""
     new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
 
 
 def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> None:
-    """All ranks hold identical interventions before the first step (a collective)."""
+    """Check that all ranks hold identical interventions before the first step (a collective)."""
     checksum = torch.stack([p.detach().double().sum().to(device) for p in parameters])  # from every device of a map
     lowest, highest = checksum.clone(), checksum.clone()
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
@@ -332,7 +335,7 @@ def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> No
 
 
 def local_parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
+    """Count the bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
     partitions), none of those a device map keeps on disk (on the meta device between forwards), the rest whole;
     a bitsandbytes weight with its quantization constants."""
     def held(parameter: torch.Tensor) -> int:
@@ -351,8 +354,8 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def quantization_constant_bytes(holder: torch.Tensor | torch.nn.Module) -> int:
-    """What a bitsandbytes weight (or the Linear4bit of a sharded one) keeps beside its quantized values: a 4-bit
-    one's QuantState (a scale per block of 64 values, and with double quantization their own scales), an 8-bit
+    """Count the bytes a bitsandbytes weight (or the Linear4bit of a sharded one) keeps beside its quantized values: a
+    4-bit one's QuantState (a scale per block of 64 values, and with double quantization their own scales), an 8-bit
     one's scale per row (SCB)."""
     state = getattr(holder, "quant_state", None)
     if state is not None:
@@ -363,7 +366,7 @@ def quantization_constant_bytes(holder: torch.Tensor | torch.nn.Module) -> int:
 
 def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[int],
                     distributed: bool | None = None) -> Strategy:
-    """--deepspeed, --fsdp or DDP, from the flags, DDP with --device_map over this process's `gpus` or not; one
+    """Choose --deepspeed, --fsdp or DDP, from the flags, DDP with --device_map over this process's `gpus` or not; one
     process (train.py; not `distributed`, which defaults to whether a process group exists): the plain strategy.
     Refused combinations were refused while parsing, the bitsandbytes quantizations of the base that cannot be
     sharded among them (8-bit under --fsdp, ZeRO-3)."""

@@ -37,9 +37,9 @@ warnings.filterwarnings("ignore", message="To copy construct from a tensor", cat
 
 
 def keep_foreign_hooks(reft_model) -> None:
-    """pyvene's cleanup, run at every forward, deletes *every* forward (pre-)hook on the model, not only its
-    own: FSDP2's unshard/reshard hooks vanish and the next forward meets sharded DTensor weights. Make
-    it delete pyvene's hooks only."""
+    """Keep other code's forward hooks on the model. pyvene's cleanup, run at every forward, deletes *every* forward
+    (pre-)hook on the model, not only its own: FSDP2's unshard/reshard hooks vanish and the next forward meets sharded
+    DTensor weights. Make it delete pyvene's hooks only."""
 
     def remove_pyvene_hooks() -> None:
         for module in reft_model.model.modules():
@@ -54,10 +54,10 @@ def keep_foreign_hooks(reft_model) -> None:
 
 
 def scatter_on_device(reft_model) -> None:
-    """pyvene writes intervened positions back (modeling_utils.scatter_neurons) through a batch index it builds
-    on the CPU: on CUDA that index is a blocking host-to-device copy in every hook, forward and backward. Make
-    the same write with the index on the activation's device, for each of COMPONENTS (a hidden_size-wide
-    output, as a tensor or the first of a tuple)."""
+    """Write intervened positions back on the activation's device. pyvene writes intervened positions back
+    (modeling_utils.scatter_neurons) through a batch index it builds on the CPU: on CUDA that index is a blocking
+    host-to-device copy in every hook, forward and backward. Make the same write with the index on the activation's
+    device, for each of COMPONENTS (a hidden_size-wide output, as a tensor or the first of a tuple)."""
     pyvene_scatter = reft_model._scatter_intervention_output
 
     def scatter(output, intervened, key, unit_locations):
@@ -74,24 +74,24 @@ def scatter_on_device(reft_model) -> None:
 
 
 def index_tensors_on(reft_model, device: torch.device | None) -> None:
-    """pyvene builds its index tensors on `get_device()`, the base model's device: the CPU for a base whose
-    shards FSDP offloads there, while the activations are on the GPU; the first parameter's (meta, when on disk)
-    for a base spread by a device map. Build them where the activations are: on `device`, or with None on each
-    hook's activation's own device (pyvene's fallback)."""
+    """Choose where pyvene's index tensors are built: pyvene builds them on `get_device()`, the base model's device: the
+    CPU for a base whose shards FSDP offloads there, while the activations are on the GPU; the first parameter's (meta,
+    when on disk) for a base spread by a device map. Build them where the activations are: on `device`, or with None on
+    each hook's activation's own device (pyvene's fallback)."""
     reft_model.get_device = lambda: device
 
 
 def trainable_dtype(base_dtype: torch.dtype) -> torch.dtype:
-    """The interventions' dtype: float32 on a bf16 or fp16 base (an AdamW update survives), the base's own where
+    """Return the interventions' dtype: float32 on a bf16 or fp16 base (an AdamW update survives), the base's own where
     it is wider (float64)."""
     return torch.promote_types(base_dtype, torch.float32)
 
 
 def compute_in_float32(reft_model) -> None:
-    """pyreft 0.1.0 builds each intervention's learned source (and NoReFT's projection) in the dtype it is given,
-    bfloat16 by default, and its forwards need the hidden state in that dtype (`learned_source(base)`). A bf16
-    weight loses AdamW's updates that fall below half a bf16 spacing: at lr 2e-5 most of its entries never
-    move (docs/exactness.md). So interventions are built in float32
+    """Make the interventions compute in float32. pyreft 0.1.0 builds each intervention's learned source (and NoReFT's
+    projection) in the dtype it is given, bfloat16 by default, and its forwards need the hidden state in that dtype
+    (`learned_source(base)`). A bf16 weight loses AdamW's updates that fall below half a bf16 spacing: at lr 2e-5 most
+    of its entries never move (docs/exactness.md). So interventions are built in float32
     (alpaca.model.new_intervention) and computed in float32: the hidden state goes in cast up, the output comes
     back in the base's dtype, which pyvene writes into the base's hidden state. On a float32 base both casts
     return their input (on a float64 one, everything is float64: `trainable_dtype`)."""
@@ -103,8 +103,9 @@ def compute_in_float32(reft_model) -> None:
 
 
 def set_train_mode(reft_model, training: bool) -> None:
-    """pyvene's `train()`/`eval()` switch only the base model and leave the interventions (and their
-    dropout) in whatever mode they were built: the frozen base stays in eval, interventions follow."""
+    """Switch the interventions to `training` mode, the base to eval: pyvene's `train()`/`eval()` switch only the base
+    model and leave the interventions (and their dropout) in whatever mode they were built: the frozen base stays in
+    eval, interventions follow."""
     reft_model.model.eval()
     reft_model.interventions.train(training)
 
@@ -114,14 +115,14 @@ MASKLESS_SDPA = "sdpa_causal_no_mask"
 
 
 def causal_attention_without_mask_checks(model) -> None:
-    """transformers (5.x) prepares the attention mask in every forward; given no mask and no cache, as in our training
-    and evaluation steps, it looks for packed sequences in the position ids (`find_packed_sequence_indices`), whose
-    `.all()` blocks the host in each forward. An attention function under a name of our own, with no mask function
-    registered, makes `create_causal_mask` return None at once: the layers get no mask, and the function is
-    transformers' own SDPA one, which then runs plain causal attention (the same logits, tested). So only a
-    forward with neither a mask, position ids nor a cache uses it (a pre-hook chooses per forward); any other
-    (generation, a masked baseline) goes through "sdpa" and its masks, and a pack (--packing) through
-    "sdpa" or, set up with --attn_implementation sdpa_varlen, `varlen_attention`. Only for a model on either."""
+    """Skip transformers' attention-mask checks in maskless forwards. transformers (5.x) prepares the attention mask in
+    every forward; given no mask and no cache, as in our training and evaluation steps, it looks for packed sequences in
+    the position ids (`find_packed_sequence_indices`), whose `.all()` blocks the host in each forward. An attention
+    function under a name of our own, with no mask function registered, makes `create_causal_mask` return None at once:
+    the layers get no mask, and the function is transformers' own SDPA one, which then runs plain causal attention (the
+    same logits, tested). So only a forward with neither a mask, position ids nor a cache uses it (a pre-hook chooses
+    per forward); any other (generation, a masked baseline) goes through "sdpa" and its masks, and a pack (--packing)
+    through "sdpa" or, set up with --attn_implementation sdpa_varlen, `varlen_attention`. Only for a model on either."""
     config = model.config
     packs = config._attn_implementation
     if packs not in ("sdpa", VARLEN_ATTENTION):
@@ -144,7 +145,7 @@ def causal_attention_without_mask_checks(model) -> None:
 
 def varlen_attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """A pack's attention (Collator.pack: one row, `cu_seq_lens_*` its examples' boundaries) through torch's
+    """Compute a pack's attention (Collator.pack: one row, `cu_seq_lens_*` its examples' boundaries) through torch's
     varlen flash kernel, each example causal within itself: no pack x pack mask, no attention computed across
     examples, where SDPA given a pack's position ids builds a dense block-diagonal mask and computes the whole
     square. transformers has no attention function over torch's kernel (only over the flash-attn package's), so
@@ -159,13 +160,13 @@ def varlen_attention(module, query, key, value, attention_mask, scaling: float |
 
 
 def register_layout(model) -> None:
-    """pyvene finds the module of a component ('block_output') in `pyvene.type_to_module_mapping[type(model)]`,
-    a table of nine decoder-only families (GPT-2, GPT-Neo, GPT-NeoX, Gemma, Gemma 2, Llama, Mistral, OLMo,
-    Qwen2); for any other class it hooks an empty attribute name (`AttributeError: 'Qwen3ForCausalLM' object has
-    no attribute ''`), and `ReftModel.load` finds no intervention width in `type_to_dimension_mapping`
-    (KeyError). Register the model's class in both, from the model: its decoder layer list (with its layers'
-    `mlp` and `self_attn`, transformers' names, for the other COMPONENTS) and the hidden size of its (text)
-    config. A class pyvene maps keeps pyvene's own layout."""
+    """Register the model's layout with pyvene. pyvene finds the module of a component ('block_output') in
+    `pyvene.type_to_module_mapping[type(model)]`, a table of nine decoder-only families (GPT-2, GPT-Neo, GPT-NeoX,
+    Gemma, Gemma 2, Llama, Mistral, OLMo, Qwen2); for any other class it hooks an empty attribute name (`AttributeError:
+    'Qwen3ForCausalLM' object has no attribute ''`), and `ReftModel.load` finds no intervention width in
+    `type_to_dimension_mapping` (KeyError). Register the model's class in both, from the model: its decoder layer list
+    (with its layers' `mlp` and `self_attn`, transformers' names, for the other COMPONENTS) and the hidden size of its
+    (text) config. A class pyvene maps keeps pyvene's own layout."""
     model_class = type(model)
     if model_class in pyvene.type_to_module_mapping:
         return
@@ -185,7 +186,7 @@ def register_layout(model) -> None:
 
 
 def quiet_bitsandbytes_logs() -> None:
-    """Two warnings of bitsandbytes 0.50 that say nothing to act on, dropped (only they): "MatMul8bitLt: inputs will
+    """Drop two warnings of bitsandbytes 0.50 that say nothing to act on (only they): "MatMul8bitLt: inputs will
     be cast ... to float16", logged at every forward of every 8-bit layer whose input is not float16 (thousands of
     lines a step; the cast is LLM.int8's own arithmetic, docs/big-models.md says so once), and, on CPUs with
     AVX512-BF16, "Failed to load CPU gemm_4bit_forward from kernels-community" at import, which asks for a
@@ -200,11 +201,12 @@ def _not_bitsandbytes_noise(record) -> bool:
 
 
 def keep_4bit_layers_differentiable(model) -> None:
-    """bitsandbytes 0.50, on a CPU with AVX512-BF16, repacks a 4-bit layer's weight for its inference kernel at the
-    first forward it sees in eval mode without gradient (the frozen base is always in eval mode: evaluation, the
-    first layer's input), in place and for good; that kernel has no backward, so from then on the gradient through
-    the layer is wrong (torch warns "an autograd kernel was not registered"), and the forward's arithmetic
-    changes mid-run. Kept off: every forward takes bitsandbytes' differentiable path (dequantize, then matmul)."""
+    """Keep 4-bit layers on bitsandbytes' differentiable path. bitsandbytes 0.50, on a CPU with AVX512-BF16, repacks a
+    4-bit layer's weight for its inference kernel at the first forward it sees in eval mode without gradient (the frozen
+    base is always in eval mode: evaluation, the first layer's input), in place and for good; that kernel has no
+    backward, so from then on the gradient through the layer is wrong (torch warns "an autograd kernel was not
+    registered"), and the forward's arithmetic changes mid-run. Kept off: every forward takes bitsandbytes'
+    differentiable path (dequantize, then matmul)."""
     import bitsandbytes as bnb  # here: only a quantized base needs it, after `quiet_bitsandbytes_logs`
 
     for module in model.modules():

@@ -44,7 +44,7 @@ from alpaca.sharding import check_loaded, checkpoint_index, place_buffers, read_
 
 
 def deepspeed_package():
-    """DeepSpeed, imported at its first use: its import takes seconds and logs a line, and only --deepspeed runs
+    """Import DeepSpeed at its first use: its import takes seconds and logs a line, and only --deepspeed runs
     need it (alpaca.strategy imports this module for every run)."""
     import deepspeed
     import deepspeed.runtime.zero.linear  # noqa: F401 - ZeRO-3's linear function, looked up as an attribute
@@ -53,8 +53,8 @@ def deepspeed_package():
 
 
 def check_for_device(config: dict, path: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Offloading moves ZeRO's state from GPUs to the CPU: meaningless on a CPU. A float16 base would need loss
-    scaling (see the module's docstring)."""
+    """Refuse what the device or the dtype cannot run. Offloading moves ZeRO's state from GPUs to the CPU: meaningless
+    on a CPU. A float16 base would need loss scaling (see the module's docstring)."""
     if dtype == torch.float16:
         raise UsageError(f"--deepspeed {path}: a float16 base needs loss scaling, which these scripts do not run "
                          "under DeepSpeed; pass --dtype bfloat16 (or float32)")
@@ -88,7 +88,7 @@ MODEL_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_siz
 
 
 def one_layer_parameters(model) -> int:
-    """Our "auto" for stage3_max_reuse_distance (HF fills none): the parameters of one decoder layer. A module's
+    """Count the parameters of one decoder layer: our "auto" for stage3_max_reuse_distance (HF fills none). A module's
     parameters stay gathered when they are used again within that many, as a layer recomputed for the backward
     under --gradient_checkpointing is; DeepSpeed's default, 1e9, is about one layer of a 70B model (0.86e9),
     and all of any model below 1B parameters, which it then keeps gathered from the forward to the backward."""
@@ -96,7 +96,7 @@ def one_layer_parameters(model) -> int:
 
 
 def start(config: dict, model, device: torch.device) -> None:
-    """What DeepSpeed needs before its first call: the config's model-sized "auto" values, its view of the
+    """Prepare what DeepSpeed needs before its first call: the config's model-sized "auto" values, its view of the
     process group, and on a CPU no compiler run."""
     deepspeed = deepspeed_package()
     zero = config["zero_optimization"]
@@ -120,8 +120,8 @@ def start(config: dict, model, device: torch.device) -> None:
 
 def partition_base(model, model_name_or_path: str, config: dict, device: torch.device,
                    cache_dir: str | None = None) -> None:
-    """ZeRO-3's partitions of a base built on the meta device (`load_base_model(..., meta)`), each rank reading
-    only its own from the safetensors files: no rank ever holds the whole base.
+    """Partition a base built on the meta device (`load_base_model(..., meta)`) into ZeRO-3's partitions, each rank
+    reading only its own from the safetensors files: no rank ever holds the whole base.
 
     DeepSpeed's way to partition a built module (`zero.Init(module=...)`) allocates each tensor whole,
     broadcasts it from rank 0 and keeps this rank's partition: here one module at a time, on uninitialized
@@ -153,9 +153,9 @@ def partition_base(model, model_name_or_path: str, config: dict, device: torch.d
 
 
 def keep_tied_embeddings_gathered(model) -> None:
-    """A tied embedding (often the largest tensor) is used by the first module of each
-    forward, by the last one and by the first of the backward. DeepSpeed gathers it for each, the last two on top
-    of every activation of the step; marked persistent, as DeepSpeed marks parameters below
+    """Keep a tied embedding gathered from its first use to the step. A tied embedding (often the largest tensor) is
+    used by the first module of each forward, by the last one and by the first of the backward. DeepSpeed gathers it for
+    each, the last two on top of every activation of the step; marked persistent, as DeepSpeed marks parameters below
     stage3_param_persistence_threshold, it is gathered at its first use and partitioned again at the step, as
     --fsdp's root unit holds it (alpaca.strategy.shard_base_model). No more memory where the step peaks, which
     holds it gathered either way, and two all-gathers fewer a micro-batch. `ds_persist` is private: DeepSpeed
@@ -166,10 +166,11 @@ def keep_tied_embeddings_gathered(model) -> None:
 
 
 def frozen_weight_linear():
-    """DeepSpeed's ZeRO-3 linear ("memory_efficient_linear": it saves the parameter, not a view of the gathered
-    weight, so that the backward gathers it again) saves the input for the weight's gradient also where the
-    weight is frozen: one activation per linear of every layer the gradient flows through. This one keeps it
-    only for a weight that needs a gradient, as torch's linear does; the rest is DeepSpeed's (0.19.8)."""
+    """Return a ZeRO-3 linear that saves no input for a frozen weight. DeepSpeed's ZeRO-3 linear
+    ("memory_efficient_linear": it saves the parameter, not a view of the gathered weight, so that the backward gathers
+    it again) saves the input for the weight's gradient also where the weight is frozen: one activation per linear of
+    every layer the gradient flows through. This one keeps it only for a weight that needs a gradient, as torch's linear
+    does; the rest is DeepSpeed's (0.19.8)."""
     LinearFunctionForZeroStage3 = deepspeed_package().runtime.zero.linear.LinearFunctionForZeroStage3
 
     class FrozenWeightLinear(LinearFunctionForZeroStage3):
@@ -186,7 +187,7 @@ def frozen_weight_linear():
 
 
 def initialize(reft_model, optimizer, scheduler, config: dict):
-    """The DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
+    """Build the DeepSpeed engine around the ReFT model, with our optimizer and schedule. Under ZeRO-3 it
     partitions the interventions across the ranks (`partition_base` has partitioned the base)."""
     deepspeed = deepspeed_package()
     engine, *_ = deepspeed.initialize(model=ReftModule(reft_model), optimizer=optimizer, lr_scheduler=scheduler,
@@ -195,7 +196,7 @@ def initialize(reft_model, optimizer, scheduler, config: dict):
 
 
 def micro_step(engine, loss: torch.Tensor) -> None:
-    """Backward of one micro-batch. `loss` is already scaled for the whole step (token-weighted over the
+    """Run the backward of one micro-batch. `loss` is already scaled for the whole step (token-weighted over the
     global batch), so the engine must not divide it by the accumulation steps again. step() after every
     micro-batch is DeepSpeed's protocol: it steps the optimizer and the schedule (and clips) at the
     accumulation boundary only."""
@@ -205,7 +206,7 @@ def micro_step(engine, loss: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def gathered(module: torch.nn.Module, config: dict | None) -> Iterator[None]:
-    """Under ZeRO-3, every rank gathers the whole parameters of `module` for the block (collectives every
+    """Gather the whole parameters of `module` on every rank for the block, under ZeRO-3 (collectives every
     rank reaches), so that one rank alone can read them. Inside, gradients are off and parametrized weights
     are cached; below stage 3 it does nothing.
 
@@ -229,10 +230,11 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq")  # torch AdamW's per-parameter tensors, b
 
 
 def link_optimizer_state(engine) -> None:
-    """ZeRO-1/2 link each parameter to its slice of the optimizer state once, at the first step of the first
-    group, when AdamW has not yet created the other groups' state (DeepSpeed 0.19): the later groups' read as
-    missing. Linked again, every group's is there. ZeRO-3 reads the state where it is. The method is private,
-    with no public equivalent: alpaca.deepspeed_config refuses any DeepSpeed but TESTED_DEEPSPEED."""
+    """Relink each parameter to its slice of the optimizer state. ZeRO-1/2 link each parameter to its slice of the
+    optimizer state once, at the first step of the first group, when AdamW has not yet created the other groups' state
+    (DeepSpeed 0.19): the later groups' read as missing. Linked again, every group's is there. ZeRO-3 reads the state
+    where it is. The method is private, with no public equivalent: alpaca.deepspeed_config refuses any DeepSpeed but
+    TESTED_DEEPSPEED."""
     zero_optimizer = engine.optimizer
     if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):
         zero_optimizer._hp_optimizer_states_linked = False
@@ -240,7 +242,7 @@ def link_optimizer_state(engine) -> None:
 
 
 def own_partition(parameter: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's elements of a ZeRO-3 parameter (flat): its partition without the padding the last partitions
+    """Return this rank's elements of a ZeRO-3 parameter (flat): its partition without the padding the last partitions
     get, which DeepSpeed leaves uninitialized."""
     size = parameter.ds_tensor.ds_numel  # every partition's, padded
     start = size * parameter.ds_zero_partition_rank
@@ -248,7 +250,7 @@ def own_partition(parameter: torch.nn.Parameter) -> torch.Tensor:
 
 
 def optimizer_state(engine, optimizer: torch.optim.Optimizer, parameter_groups: list[list[torch.nn.Parameter]]) -> dict:
-    """What `optimizer.state_dict()` is without DeepSpeed (torch's AdamW: per parameter, numbered in the order
+    """Return what `optimizer.state_dict()` is without DeepSpeed (torch's AdamW: per parameter, numbered in the order
     of `parameter_groups`, its step, exp_avg and exp_avg_sq), assembled from the partitions. A collective:
     every rank calls it. `optimizer` is ours, which DeepSpeed steps on its flat partitions."""
     safe_get_full_optimizer_state = deepspeed_package().utils.safe_get_full_optimizer_state

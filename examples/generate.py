@@ -136,7 +136,7 @@ RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_templ
 
 
 def run_settings(directory: str) -> dict:
-    """The flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
+    """Read the flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
     path = Path(directory)
     for candidate in (path / ARGS_FILE, path.parent / ARGS_FILE):
         if candidate.exists():
@@ -150,14 +150,14 @@ def run_settings(directory: str) -> dict:
 
 
 def read_conversations(path: str) -> list[list[dict]]:
-    """The messages of each record of a .json/.jsonl file of conversations, each ending with the user's turn."""
+    """Read the messages of each record of a .json/.jsonl file of conversations, each ending with the user's turn."""
     records = read_local_records(path, "--conversations_file")
     check_conversations(records, f"--conversations_file {path!r}", last_role="user")
     return [record["messages"] for record in records]
 
 
 def bare_instructions_listed(path: str) -> bool:
-    """Whether `path` is a .json list with bare instructions (strings) in it, which datasets' json loader does not
+    """Tell whether `path` is a .json list with bare instructions (strings) in it, which datasets' json loader does not
     read: such a file is read whole here."""
     if not (Path(path).is_file() and path.lower().endswith(".json")):
         return False
@@ -169,7 +169,7 @@ def bare_instructions_listed(path: str) -> bool:
 
 
 def read_instructions(path: str) -> list[dict]:
-    """The records of --instructions_file, in order, as {instruction, input, dataset}: `instruction` a string or
+    """Read the records of --instructions_file, in order, as {instruction, input, dataset}: `instruction` a string or
     a conversation (its messages). Read as training reads its records (any container --data_path takes); a
     file of another kind (.txt) holds one instruction a line."""
     if bare_instructions_listed(path):
@@ -211,7 +211,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def load_models(args, settings: dict, device: torch.device, gpus: list[int]):
-    """The base model (placed and quantized as the flags say) and its tokenizer, and the device map if any."""
+    """Load the base model (placed and quantized as the flags say) and its tokenizer, with the device map if any."""
     # A device map spreads the base over the process's GPUs (and the CPU, disk), as train.py's does.
     device_map = (None if args.device_map is None
                   else DeviceMap(args.device_map, args.max_memory, args.offload_folder, gpus))
@@ -224,7 +224,7 @@ def load_models(args, settings: dict, device: torch.device, gpus: list[int]):
 
 
 def generate(args: argparse.Namespace) -> None:
-    """The side-by-side view: each instruction's base and ReFT answers (or two runs' ReFT answers)."""
+    """Print the side-by-side view: each instruction's base and ReFT answers (or two runs' ReFT answers)."""
     runs = [args.reft_dir] + ([args.compare] if args.compare else [])
     settings = [run_settings(run) for run in runs]
     items = [{"instruction": instruction, "input": ""} for instruction in args.instruction]
@@ -257,7 +257,8 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def answer_file_in_process_group(args: argparse.Namespace) -> None:
-    """This process's device, then the process group's life around answer_file (a world of one under python)."""
+    """Run answer_file in a process group: this process's device, then the process group's life around it (a world of
+    one under python)."""
     if "RANK" not in os.environ:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -284,8 +285,9 @@ DECODING = ("model_name_or_path", "base", "dtype", "per_device_batch_size", "max
 
 
 def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -> None:
-    """Every process: the records, the model and the batch plan; this process's share of the batches not yet
-    answered, each appended to the partial directory as it finishes; then process 0 writes the file."""
+    """Write the answers of --instructions_file to --output_file. Every process: the records, the model and the batch
+    plan; this process's share of the batches not yet answered, each appended to the partial directory as it finishes;
+    then process 0 writes the file."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     is_main, cpu = rank == 0, torch.device("cpu")
     if not is_main:
@@ -357,7 +359,7 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
 
 
 def batch_plan(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Every record's index in batches of `batch_size`, longest prompts first (the least padding; the largest
+    """Cut every record's index into batches of `batch_size`, longest prompts first (the least padding; the largest
     batch first, so a batch that does not fit fails at once). The plan does not depend on the number of
     processes: each takes a contiguous run of its batches, so every batch, and every answer, is the same on 1
     and N processes."""
@@ -366,7 +368,7 @@ def batch_plan(lengths: list[int], batch_size: int) -> list[list[int]]:
 
 
 def prepare_partial(partial: Path, decoding: dict, resume: bool) -> None:
-    """OUTPUT.partial/: the answers of finished batches, one JSONL file a process, and the settings they were
+    """Prepare OUTPUT.partial/: the answers of finished batches, one JSONL file a process, and the settings they were
     made with, which a resumed run must share."""
     settings_file = partial / "settings.json"
     if partial.exists() and not resume:
@@ -383,7 +385,7 @@ def prepare_partial(partial: Path, decoding: dict, resume: bool) -> None:
 
 
 def read_partial(partial: Path) -> dict[int, dict]:
-    """The answers in the partial files this process sees, by record index; a line cut by a kill is skipped."""
+    """Read the answers in the partial files this process sees, by record index; a line cut by a kill is skipped."""
     answers = {}
     for path in sorted(partial.glob("rank-*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
@@ -397,8 +399,8 @@ def read_partial(partial: Path) -> dict[int, dict]:
 
 def write_answers(output_file: str, items: list[dict], parts: list[dict], generator: str, metadata: dict,
                   partial: Path) -> None:
-    """Process 0: the answers in input order, each index exactly once, as AlpacaEval reads model outputs (a JSON
-    list of instruction, output, generator, dataset; input where the record has one), written atomically; the
+    """Write, on process 0, the answers in input order, each index exactly once, as AlpacaEval reads model outputs (a
+    JSON list of instruction, output, generator, dataset; input where the record has one), written atomically; the
     metadata and summary beside it (.summary.json); then the partial directory goes."""
     answers = {}
     for part in parts:
