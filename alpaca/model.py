@@ -377,9 +377,9 @@ def compile_decoder_layers(model) -> None:
     """Compile each decoder layer's `forward` (--torch_compile), as torchtune compiles per layer. Below the module's
     hooks, not the module (`layer.compile()`): pyvene adds and removes its hooks at every forward, which Dynamo's
     hook guards (skipped by default) would not see. All layers share one code object, so a shape compiles once for
-    all of them; `dynamic=None` lets Dynamo mark a dimension dynamic once it changes, so the graphs stay bounded
-    by the shapes (tests/test_multigpu.py counts them). A forward with a KV cache (generation) runs eager: each
-    new cache length would be a new graph."""
+    all of them; `dynamic=True` makes the dimensions symbolic from the first compile, so a new length reuses a
+    graph and the graphs stay bounded (tests/test_multigpu.py counts them). A forward with a KV cache (generation)
+    runs eager: each new cache length would be a new graph."""
     for layer in decoder_layers(model):
         eager, compiled = layer.forward, torch.compile(layer.forward, dynamic=True)
 
