@@ -13,7 +13,8 @@ from alpaca.flag_values import sharding_flag
 
 
 def launched_alone_as_world_of_one() -> None:
-    """Give plain `python train_multigpu.py` the environment torchrun gives a world of one process, on a free port."""
+    """Give plain `python train_multigpu.py` (or examples/generate.py) the environment torchrun gives a world of
+    one process, on a free port."""
     if "RANK" in os.environ:  # torchrun or accelerate launched it
         return
     with socket.socket() as probe:

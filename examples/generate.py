@@ -109,7 +109,6 @@ import datetime
 import hashlib
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -118,7 +117,7 @@ from tqdm.auto import tqdm
 from alpaca.constants import CONVERSATION_FIELD
 from alpaca.data import check_conversations, read_local_records
 from alpaca.data_source import DATA_FILE_LOADERS
-from alpaca.device_map import DeviceMap, gpu_group
+from alpaca.device_map import DeviceMap, local_rank_gpus
 from alpaca.distributed import ending_process_group, main_rank_result, run_checked
 from alpaca.generation import (
     SAMPLE_INSTRUCTIONS,
@@ -129,6 +128,7 @@ from alpaca.generation import (
     side_by_side,
     summary,
 )
+from alpaca.launcher_env import launched_alone_as_world_of_one
 from alpaca.model import load_base_model, num_intervened_layers, resolve_dtype
 from alpaca.output import ARGS_FILE, load_reft_model, quiet_non_main_rank
 
@@ -259,17 +259,9 @@ def generate(args: argparse.Namespace) -> None:
 def answer_file_in_process_group(args: argparse.Namespace) -> None:
     """Run answer_file in a process group: this process's device, then the process group's life around it (a world of
     one under python)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            free_port = probe.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port))
-    local_rank, local_processes = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpus = []
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        gpus = gpu_group(local_rank, local_processes, count) if args.device_map is not None else [local_rank]
+    launched_alone_as_world_of_one()
+    gpus = local_rank_gpus(PROG, device_map=args.device_map is not None) if torch.cuda.is_available() else []
+    if gpus:
         torch.cuda.set_device(gpus[0])
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     # Only Python objects travel between the processes (answers, indices): gloo, on the host, whatever the device.

@@ -242,6 +242,14 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
                       launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout, env=env)
 
 
+def with_faked_gpus(count: int) -> list[str]:
+    """A command for `torchrun --no-python` that runs the script after it as if CUDA saw `count` GPUs: how the
+    scripts choose each process's GPUs, tested without one."""
+    return [sys.executable, "-c", "import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+            f"torch.cuda.device_count = lambda: {count}; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')"]
+
+
 def run_in_process(script: str, argv: list[str]) -> tuple[int, str, str]:
     """One of the project's scripts (train.py, train_multigpu.py, examples/generate.py) run as `python script argv`
     runs it, but in this process: (exit status, stdout, stderr). For runs where no process boundary is under test

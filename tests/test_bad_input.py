@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from conftest import run_in_process, torchrun, training_flags, write_records
+from conftest import run_in_process, torchrun, training_flags, with_faked_gpus, write_records
 
 SENTINEL = "an earlier result\n"
 
@@ -183,10 +183,7 @@ def test_more_processes_than_examples(tiny_model, tmp_path, output_dir):
 
 def test_more_processes_than_gpus(tiny_model, tmp_path, output_dir):
     """2 processes on a node with 1 GPU (faked: CUDA reported with one device): one line says what to do."""
-    one_gpu = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
-               "torch.cuda.device_count = lambda: 1; sys.argv = sys.argv[1:]; "
-               "runpy.run_path(sys.argv[0], run_name='__main__')")
-    result = torchrun(2, [sys.executable, "-c", one_gpu, "train_multigpu.py", "--model_name_or_path",
+    result = torchrun(2, [*with_faked_gpus(1), "train_multigpu.py", "--model_name_or_path",
                           str(tiny_model), "--output_dir", str(output_dir)], extra=["--no-python"])
     assert result.returncode != 0
     message = "train_multigpu.py: error: 2 processes on this node but 1 GPU(s) visible; launch with --nproc_per_node 1"

@@ -4,7 +4,6 @@ process and on two DDP ranks (that one in tests/test_recipes.py, through example
 weights really are off memory (on the meta device) between forwards; and so with --gradient_checkpointing, whose
 recomputation of an offloaded layer brings its weights from disk again."""
 
-import sys
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from conftest import (
     run_in_process,
     torchrun,
     training_flags,
+    with_faked_gpus,
 )
 
 from alpaca.args import parse_args, resolve_device_defaults
@@ -104,10 +104,7 @@ def test_device_map_with_fsdp_or_deepspeed_is_refused(tmp_path):
 
 def test_gpus_that_do_not_divide_among_the_processes(tiny_model, tmp_path):
     """3 GPUs (faked) for 2 processes with --device_map: one line says which process counts divide them."""
-    three_gpus = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
-                  "torch.cuda.device_count = lambda: 3; sys.argv = sys.argv[1:]; "
-                  "runpy.run_path(sys.argv[0], run_name='__main__')")
-    result = torchrun(2, [sys.executable, "-c", three_gpus, "train_multigpu.py", "--model_name_or_path",
+    result = torchrun(2, [*with_faked_gpus(3), "train_multigpu.py", "--model_name_or_path",
                           str(tiny_model), "--output_dir", str(tmp_path), "--device_map", "auto"],
                       extra=["--no-python"])
     assert result.returncode != 0

@@ -17,6 +17,7 @@ from conftest import (
     run_script,
     torchrun,
     training_flags,
+    with_faked_gpus,
 )
 
 from alpaca.data import render_prompt
@@ -262,6 +263,16 @@ def alpaca_eval_pairs(reference, model_outputs, monkeypatch):
     assert utils.get_generator_name(None, outputs) == json.loads(Path(model_outputs).read_text())[0]["generator"]
     annotator = PairwiseAnnotator(annotators_config="alpaca_eval_gpt4")
     return annotator.annotate_head2head(outputs_1=utils.load_or_convert_to_dataframe(reference), outputs_2=outputs)
+
+
+def test_more_processes_than_gpus(runs, eval_file, tmp_path):
+    """2 processes on a node with 1 GPU (faked): one line says what to do, as training says it."""
+    result = torchrun(2, [*with_faked_gpus(1), GENERATE, "--reft_dir", str(runs[0] / "single"), "--instructions_file",
+                          str(eval_file[0]), "--output_file", str(tmp_path / "answers.json")], extra=["--no-python"])
+    assert result.returncode != 0
+    message = "generate.py: error: 2 processes on this node but 1 GPU(s) visible; launch with --nproc_per_node 1"
+    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert not (tmp_path / "answers.json").exists()
 
 
 def test_two_processes_killed_and_resumed_write_one_process_s_file(runs, eval_file, tmp_path):
