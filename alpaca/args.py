@@ -42,6 +42,7 @@ from alpaca.launcher_env import (
     is_main_process,
 )
 from alpaca.signals import wait_for_launcher
+from alpaca.versions import check_torch
 
 # --bnb_4bit_quant_type: bitsandbytes' 4-bit data types (BitsAndBytesConfig's names).
 QUANT_TYPES = ("nf4", "fp4")
@@ -278,6 +279,7 @@ NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
 
 def validate(args: argparse.Namespace) -> None:
     """Run the checks that need no model, before anything heavy is imported or loaded."""
+    check_torch()
     parse_position(args.position)
     parse_layers(args.layers)
     for name, (meets, meaning) in NUMBER_FLAGS.items():

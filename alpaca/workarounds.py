@@ -1,5 +1,5 @@
-"""Every place these scripts work around pyvene 0.1.8, pyreft 0.1.0 or bitsandbytes 0.50 (the pinned versions), in
-one module.
+"""Every place these scripts work around pyvene 0.1.8, pyreft 0.1.0 or bitsandbytes 0.50 (the pinned versions), or
+torch 2.11 (what GPU images ship; alpaca.versions), in one module.
 
 An upgrade of either re-checks each function below against the upstream behaviour its docstring names;
 tests/test_interventions.py, tests/test_fsdp.py and tests/test_families.py fail where one is no longer needed or
@@ -12,9 +12,11 @@ Also worked around elsewhere, for a reason local to that code: `alpaca.output.lo
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch.nn.attention import varlen
@@ -34,6 +36,9 @@ with contextlib.redirect_stdout(io.StringIO()):
 # pyvene's hooks copy index tensors with torch.tensor(tensor), which warns that clone() is the recommended
 # copy; the copy is what we want.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
+
+# torch 2.11's varlen_attn takes no `enable_gqa` (a TypeError at the first step of a grouped-query model); 2.13's does.
+VARLEN_TAKES_GROUPED_HEADS = "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
 
 
 def keep_foreign_hooks(reft_model) -> None:
@@ -153,11 +158,34 @@ def varlen_attention(module, query, key, value, attention_mask, scaling: float |
     `query` is [1, heads, tokens, head_dim], key and value with the model's key-value heads; returns
     [1, tokens, heads, head_dim], as transformers' SDPA function does. No sliding window (refused at setup)."""
     query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    grouped = {}
+    if query.shape[1] != key.shape[1]:
+        if VARLEN_TAKES_GROUPED_HEADS:
+            grouped = {"enable_gqa": True}
+        else:  # each query head's key-value head repeated, as transformers' repeat_kv does for eager attention
+            key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
     output = varlen.varlen_attn(query, key, value, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
                                 kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling, window_size=(-1, 0),
-                                enable_gqa=query.shape[1] != key.shape[1])
+                                **grouped)
     return output.unsqueeze(0), None
 
+
+@contextlib.contextmanager
+def integer_parameters_without_grad() -> Iterator[None]:
+    """Let torch 2.11's fully_shard shard integer parameters (a 4-bit base's packed bytes): it wraps each shard in
+    `nn.Parameter(shard)`, whose default requires_grad=True an integer tensor cannot take ("only Tensors of floating
+    point dtype can require gradients"), and sets the parameter's own flag only after; torch 2.12 passes the flag.
+    Meanwhile an integer parameter is made without a gradient, which is what that flag then says."""
+    original = torch.nn.Parameter.__dict__["__new__"]
+
+    def new(cls, data=None, requires_grad=True):
+        return original.__func__(cls, data, requires_grad and (data is None or data.is_floating_point()))
+
+    torch.nn.Parameter.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        torch.nn.Parameter.__new__ = original
 
 def register_layout(model) -> None:
     """Register the model's layout with pyvene. pyvene finds the module of a component ('block_output') in

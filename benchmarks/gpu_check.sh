@@ -27,7 +27,13 @@
 #   7. a 4-bit NF4 base, bf16 compute: train.py --load_in_4bit against train_multigpu.py on 1 process with DDP and
 #      with --fsdp (the base built on meta, each weight quantized whole and its rows kept): weight and loss
 #      differences (the same bytes: within bf16's run-to-run noise), tokens/s and peak device memory.
-# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6 7"; 1d when asked).
+#   8. packed against padded in float32 with TF32 off (NVIDIA_TF32_OVERRIDE=0): --packing under sdpa beside two
+#      padded runs, within float32 rounding; sdpa_varlen's flash kernel has no float32 (refused in one line).
+#   9. ZeRO-3 with and without CPU offload against train.py, float32 with TF32 off: what separates offload from
+#      ZeRO-3 once bf16 and TF32 roundings are out of the way (docs/exactness.md).
+# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6 7 8 9"; 1d when asked). Each section stops starting runs after
+# SECTION_SECONDS (default 300); each run's whole output is in $OUT/NAME.log, and a run that fails prints its exit
+# status and its error's last lines.
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
@@ -35,11 +41,31 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
                 || echo examples/data/alpaca_sample.json )}
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6 7} "
+SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6 7 8 9} "
 VARIANTS=${VARIANTS:-baseline,eager,compiled,packed,varlen}
 THROUGHPUT=($PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA"
             --num_examples "${NUM_EXAMPLES:-256}" --repeats 3)
-section() { echo; echo "=== $* ($(date +%T))"; }
+SECTION_SECONDS=${SECTION_SECONDS:-300}
+section() { echo; echo "=== $* ($(date +%T))"; SECTION_END=$(( SECONDS + SECTION_SECONDS )); }
+# run NAME SECONDS COMMAND...: COMMAND's output to $OUT/NAME.log, at most SECONDS and no later than the section's
+# end; prints its "Trained to step" line (else its last line), or why it failed: exit status and the error's lines.
+run() {
+  local name=$1 seconds=$2 status=0; shift 2
+  (( SECTION_END - SECONDS < seconds )) && seconds=$(( SECTION_END - SECONDS ))
+  if (( seconds < 5 )); then echo "$name: not started (the section's ${SECTION_SECONDS} s are spent)"; return; fi
+  timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1 || status=$?
+  if (( status == 0 )); then
+    grep -h "Trained to step" "$OUT/$name.log" || tail -1 "$OUT/$name.log"
+    return
+  fi
+  echo "$name: failed (exit $status$( (( status == 124 )) && echo ", timed out after $seconds s"))"
+  # our one error line, an exception's, or torchrun's child failure; then the last lines
+  local errors
+  errors=$(grep -E "error: |^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)\b" "$OUT/$name.log" \
+           | grep -v ChildFailedError | tail -3 || true)
+  [[ -n $errors ]] && sed 's/^/    /' <<< "$errors"
+  grep -v '^[[:space:]]*$' "$OUT/$name.log" | tail -4 | grep -vxF -f <(printf '%s\n' "$errors") | sed 's/^/    | /' || true
+}
 wants() { [[ $SECTIONS == *" $1 "* ]]; }
 
 section "environment"
@@ -47,24 +73,32 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 '| transformers', transformers.__version__)"
 
+# throughput NAME FLAGS...: benchmarks/throughput.py's rows as they come, within the section (no new variant in its
+# last 90 s); its stderr in $OUT/NAME.log, whose last lines are printed if it fails
+throughput() {
+  local name=$1 status=0; shift
+  timeout $(( SECTION_END - SECONDS )) "${THROUGHPUT[@]}" --time_budget $(( SECTION_END - SECONDS - 90 )) "$@" \
+      2> "$OUT/$name.log" || status=$?
+  (( status == 0 )) || { echo "$name: failed (exit $status)"; tail -5 "$OUT/$name.log" | sed 's/^/    | /'; }
+}
+
 if wants 1a; then
   section "1a. throughput, SmolLM2-135M"
-  timeout 480 "${THROUGHPUT[@]}" --variants "$VARIANTS" --batch_sizes 8,32,64 || echo "(failed)"
+  throughput 1a --variants "$VARIANTS" --batch_sizes 8,32,64
 fi
 if wants 1b; then
   section "1b. throughput, Llama-3.2-1B shape"
-  timeout 420 "${THROUGHPUT[@]}" --variants "$VARIANTS" --batch_sizes 8,32 --model_shape llama-3.2-1b \
-      || echo "(failed)"
+  throughput 1b --variants "$VARIANTS" --batch_sizes 8,32 --model_shape llama-3.2-1b
 fi
 if wants 1c; then
   section "1c. attention backend: cuDNN's SDPA off (against 1a and 1b's baseline and eager rows)"
-  timeout 150 "${THROUGHPUT[@]}" --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off || echo "(failed)"
-  timeout 200 "${THROUGHPUT[@]}" --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off \
-      --model_shape llama-3.2-1b || echo "(failed)"
+  SECTION_SECONDS=$(( SECTION_SECONDS / 2 )) throughput 1c-smollm2 --variants baseline,eager --batch_sizes 8 \
+      --cudnn_sdpa off
+  throughput 1c-1b --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off --model_shape llama-3.2-1b
 fi
 if wants 1d; then
   section "1d. throughput, Llama-3.1-8B shape (random bf16 weights built on the GPU)"
-  timeout 480 "${THROUGHPUT[@]}" --variants "$VARIANTS" --batch_sizes 8 --model_shape llama-3.1-8b || echo "(failed)"
+  throughput 1d --variants "$VARIANTS" --batch_sizes 8 --model_shape llama-3.1-8b
 fi
 
 # compare REFERENCE NAME...: each run's max weight and loss differences from REFERENCE's (directories in $OUT)
@@ -83,7 +117,10 @@ def run(name):
     losses = [json.loads(line)["loss"] for line in open(out / name / "metrics.jsonl") if '"loss"' in line]
     return weights, losses
 
-reference_weights, reference_losses = run(reference)
+try:
+    reference_weights, reference_losses = run(reference)
+except (OSError, ValueError) as error:
+    sys.exit(f"{reference:>14}: no complete output ({error!r}), nothing to compare with")
 for name in names:
     try:
         weights, losses = run(name)
@@ -102,16 +139,16 @@ COMMON=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 10 --loggi
         --per_device_train_batch_size 8 --overwrite_output_dir)
 if wants 2; then
   section "2. host syncs in train.py's step (steps 3-10; step 10 logs and the run saves)"
-  timeout 40 $PYTHON benchmarks/sync_count.py train.py "${COMMON[@]}" --logging_steps 1000 \
-      --output_dir "$OUT/sync" 2>&1 | sed -n '/synchronizing operations/,$p' || echo "(failed)"
+  run sync 40 $PYTHON benchmarks/sync_count.py train.py "${COMMON[@]}" --logging_steps 1000 --output_dir "$OUT/sync"
+  sed -n '/synchronizing operations/,$p' "$OUT/sync.log"
 fi
 
 if wants 3; then
   section "3. train.py vs train_multigpu.py (1 process, NCCL) and --fsdp"
-  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single" | tail -1 || echo "(failed)"
-  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single-again" | tail -1 || echo "(failed)"
-  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/ddp" | tail -1 || echo "(failed)"
-  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --fsdp --output_dir "$OUT/fsdp" | tail -1 || echo "(failed)"
+  run single 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single"
+  run single-again 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/single-again"
+  run ddp 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/ddp"
+  run fsdp 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --fsdp --output_dir "$OUT/fsdp"
   compare single single-again ddp fsdp || echo "(compare failed)"
 fi
 
@@ -120,12 +157,12 @@ if wants 4; then
   FP32=(--model_name_or_path "$MODEL" --data_path examples/data/alpaca_sample.json --num_train_epochs 2
         --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --dtype float32 --dropout 0.1
         --logging_steps 1 --num_sample_answers 0 --overwrite_output_dir)
-  timeout 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32" | tail -1 || echo "(failed)"
-  timeout 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32-again" | tail -1 || echo "(failed)"
-  timeout 50 "${ONE_PROCESS[@]}" "${FP32[@]}" --fsdp --output_dir "$OUT/fp32-fsdp" | tail -1 || echo "(failed)"
+  run fp32 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32"
+  run fp32-again 40 $PYTHON train.py "${FP32[@]}" --output_dir "$OUT/fp32-again"
+  run fp32-fsdp 50 "${ONE_PROCESS[@]}" "${FP32[@]}" --fsdp --output_dir "$OUT/fp32-fsdp"
   for config in zero2 zero3 zero3_offload; do
-    timeout 70 "${ONE_PROCESS[@]}" "${FP32[@]}" --deepspeed "examples/deepspeed/$config.json" \
-        --output_dir "$OUT/fp32-$config" 2>&1 | tail -3 || echo "(failed)"
+    run "fp32-$config" 70 "${ONE_PROCESS[@]}" "${FP32[@]}" --deepspeed "examples/deepspeed/$config.json" \
+        --output_dir "$OUT/fp32-$config"
   done
   compare fp32 fp32-again fp32-fsdp fp32-zero2 fp32-zero3 fp32-zero3_offload || echo "(compare failed)"
 fi
@@ -134,43 +171,66 @@ if wants 5; then
   section "5. packs, bf16: padded vs --packing under sdpa, sdpa_varlen (and flash_attention_2 if installed)"
   PACKED=(sdpa sdpa_varlen)
   $PYTHON -c "import flash_attn" 2>/dev/null && PACKED+=(flash_attention_2)
-  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/padded" | tail -1 || echo "(failed)"
-  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/padded-again" | tail -1 || echo "(failed)"
+  run padded 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/padded"
+  run padded-again 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/padded-again"
   for attention in "${PACKED[@]}"; do
-    timeout 40 $PYTHON train.py "${COMMON[@]}" --packing --attn_implementation "$attention" \
-        --output_dir "$OUT/packed-$attention" 2>&1 | tail -1 || echo "(failed)"
+    run "packed-$attention" 40 $PYTHON train.py "${COMMON[@]}" --packing --attn_implementation "$attention" \
+        --output_dir "$OUT/packed-$attention"
   done
   compare padded padded-again "${PACKED[@]/#/packed-}" || echo "(compare failed)"
 fi
 
-trained() { grep -h "Trained to step" || echo "(failed)"; }
 if wants 6; then
   section "6. bf16: DDP, --fsdp, ZeRO-2, ZeRO-3, ZeRO-3 offload (1 process), and train.py split by --device_map"
-  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16" | trained
-  timeout 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16-again" | trained
-  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/bf16-ddp" 2>&1 | trained
-  timeout 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --fsdp --output_dir "$OUT/bf16-fsdp" 2>&1 | trained
+  run bf16 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16"
+  run bf16-again 30 $PYTHON train.py "${COMMON[@]}" --output_dir "$OUT/bf16-again"
+  run bf16-ddp 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --output_dir "$OUT/bf16-ddp"
+  run bf16-fsdp 40 "${ONE_PROCESS[@]}" "${COMMON[@]}" --fsdp --output_dir "$OUT/bf16-fsdp"
   for config in zero2 zero3 zero3_offload; do
-    timeout 70 "${ONE_PROCESS[@]}" "${COMMON[@]}" --deepspeed "examples/deepspeed/$config.json" \
-        --output_dir "$OUT/bf16-$config" 2>&1 | trained
+    run "bf16-$config" 70 "${ONE_PROCESS[@]}" "${COMMON[@]}" --deepspeed "examples/deepspeed/$config.json" \
+        --output_dir "$OUT/bf16-$config"
   done
   # half of SmolLM2's bf16 layers on the GPU, the rest in CPU memory; then layers 0-3 on disk, the rest on the GPU
-  timeout 60 $PYTHON train.py "${COMMON[@]}" --device_map auto --max_memory '{"0": "160MiB", "cpu": "8GiB"}' \
-      --output_dir "$OUT/bf16-cpu-split" 2>&1 | trained
+  run bf16-cpu-split 60 $PYTHON train.py "${COMMON[@]}" --device_map auto \
+      --max_memory '{"0": "160MiB", "cpu": "8GiB"}' --output_dir "$OUT/bf16-cpu-split"
   DISK_MAP=$($PYTHON -c "import json; print(json.dumps({'model.embed_tokens': 0, **{f'model.layers.{i}': 'disk' if i < 4
 else 0 for i in range(30)}, 'model.norm': 0, 'model.rotary_emb': 0, 'lm_head': 0}))")
-  timeout 90 $PYTHON train.py "${COMMON[@]}" --device_map "$DISK_MAP" --offload_folder "$OUT/offload" \
-      --output_dir "$OUT/bf16-disk-split" 2>&1 | trained
+  run bf16-disk-split 90 $PYTHON train.py "${COMMON[@]}" --device_map "$DISK_MAP" --offload_folder "$OUT/offload" \
+      --output_dir "$OUT/bf16-disk-split"
   compare bf16 bf16-again bf16-ddp bf16-fsdp bf16-zero2 bf16-zero3 bf16-zero3_offload bf16-cpu-split \
       bf16-disk-split || echo "(compare failed)"
 fi
 
 if wants 7; then
   section "7. a 4-bit NF4 base, bf16 compute: train.py, DDP and --fsdp (1 process)"
-  timeout 40 $PYTHON train.py "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4" | trained
-  timeout 40 $PYTHON train.py "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4-again" | trained
-  timeout 50 "${ONE_PROCESS[@]}" "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4-ddp" 2>&1 | trained
-  timeout 50 "${ONE_PROCESS[@]}" "${COMMON[@]}" --load_in_4bit --fsdp --output_dir "$OUT/nf4-fsdp" 2>&1 | trained
+  run nf4 40 $PYTHON train.py "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4"
+  run nf4-again 40 $PYTHON train.py "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4-again"
+  run nf4-ddp 50 "${ONE_PROCESS[@]}" "${COMMON[@]}" --load_in_4bit --output_dir "$OUT/nf4-ddp"
+  run nf4-fsdp 50 "${ONE_PROCESS[@]}" "${COMMON[@]}" --load_in_4bit --fsdp --output_dir "$OUT/nf4-fsdp"
   compare nf4 nf4-again nf4-ddp nf4-fsdp || echo "(compare failed)"
+fi
+# float32 with TF32 off: torch's float32 matmuls round as float32 (train.py turns TF32 on for speed)
+EXACT=(env NVIDIA_TF32_OVERRIDE=0)
+if wants 8; then
+  section "8. packed vs padded, float32, TF32 off: --packing under sdpa; sdpa_varlen has no float32 kernel"
+  run fp32-padded 30 "${EXACT[@]}" $PYTHON train.py "${COMMON[@]}" --dtype float32 --output_dir "$OUT/fp32-padded"
+  run fp32-padded-again 30 "${EXACT[@]}" $PYTHON train.py "${COMMON[@]}" --dtype float32 \
+      --output_dir "$OUT/fp32-padded-again"
+  run fp32-packed-sdpa 40 "${EXACT[@]}" $PYTHON train.py "${COMMON[@]}" --dtype float32 --packing \
+      --output_dir "$OUT/fp32-packed-sdpa"
+  run fp32-packed-sdpa_varlen 20 "${EXACT[@]}" $PYTHON train.py "${COMMON[@]}" --dtype float32 --packing \
+      --attn_implementation sdpa_varlen --output_dir "$OUT/fp32-packed-sdpa_varlen"
+  compare fp32-padded fp32-padded-again fp32-packed-sdpa || echo "(compare failed)"
+fi
+
+if wants 9; then
+  section "9. ZeRO-3 and ZeRO-3 offload against train.py, float32, TF32 off (1 process)"
+  [[ -f $OUT/fp32-padded/metrics.jsonl ]] || run fp32-padded 30 "${EXACT[@]}" $PYTHON train.py "${COMMON[@]}" \
+      --dtype float32 --output_dir "$OUT/fp32-padded"
+  for config in zero3 zero3_offload; do
+    run "fp32-exact-$config" 70 "${EXACT[@]}" "${ONE_PROCESS[@]}" "${COMMON[@]}" --dtype float32 \
+        --deepspeed "examples/deepspeed/$config.json" --output_dir "$OUT/fp32-exact-$config"
+  done
+  compare fp32-padded fp32-exact-zero3 fp32-exact-zero3_offload || echo "(compare failed)"
 fi
 echo; echo "done ($(date +%T)); outputs in $OUT"

@@ -89,6 +89,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=0, help="also measure train_multigpu.py on 1 and N processes")
     parser.add_argument("--profile", action="store_true", help="print each variant's top operators too")
     parser.add_argument("--peak_flops", type=float, default=None, help="the device's peak FLOP/s, for MFU")
+    parser.add_argument("--time_budget", type=float, default=None,
+                        help="seconds after which no new variant starts (the rows measured are printed as they come)")
     parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)  # a child's name
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--torch_compile", action="store_true", help=argparse.SUPPRESS)
@@ -373,45 +375,52 @@ def main() -> None:
     batch_sizes = [int(size) for size in (args.batch_sizes or ("8,32,64" if on_cuda else "8")).split(",")]
     variants = args.variants.split(",") if args.variants else DEFAULT_VARIANTS["cuda" if on_cuda else "cpu"]
     unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown or "baseline" not in variants:
-        sys.exit(f"--variants {args.variants}: {'unknown ' + unknown[0] if unknown else 'the baseline is missing'}; "
-                 f"choose among {', '.join(VARIANTS)}, with baseline")
+    if unknown or variants[0] != "baseline":
+        sys.exit(f"--variants {args.variants}: {'unknown ' + unknown[0] if unknown else 'the baseline is not first'}; "
+                 f"choose among {', '.join(VARIANTS)}, baseline first (the ratios are to it)")
     print(f"model {args.model_name_or_path} ({args.model_shape}) | data {args.data_path}, "
           f"{args.num_examples or 'all'} examples | each timed window: >= {args.min_steps} steps, whole epochs, "
           f"after one step of each of its shapes; {args.repeats} repeats | layers {args.layers}, rank {args.rank}")
     roof, roof_shape = matmul_flops()
-    header_printed = False
-    for batch_size in batch_sizes:  # each row as soon as it is measured: a run cut short keeps what it had
-        results = {}
-        for variant in variants:
-            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], *VARIANTS[variant], "--variant", variant,
-                                    "--per_device_train_batch_size", str(batch_size)], capture_output=True, text=True)
-            if child.returncode:
-                sys.exit(f"{variant} at batch {batch_size} failed:\n{child.stderr[-3000:]}")
-            results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
-            if args.profile:
-                print(child.stderr[child.stderr.find(f"--- {variant}"):])
-        device = results["baseline"]["device"]
-        peak = args.peak_flops or next((flops for name, flops in GPU_PEAK_FLOPS.items() if name in device), None)
-        if not header_printed:
-            print(f"device: {device}; dense matmul ({roof_shape}): {roof / 1e9:.1f} GFLOP/s; MFU over "
-                  + (f"the peak {peak / 1e12:.0f} TFLOP/s" if peak else "that matmul rate (no peak known)"))
-            print(f"{'batch':>5} {'variant':<9} {'steps':>5} {'shapes':>6} {'non-pad tok/s':>13} {'range':>15} "
-                  f"{'ratio':>6} {'padding':>8} {'peak mem':>10} {'host ms':>8} {'device ms':>9} "
-                  f"{'MFU 4N':>7} {'exact':>7}")
-            header_printed = True
-        rates = {variant: [r["tokens"] / s for s in r["seconds"]] for variant, r in results.items()}
-        for variant, r in results.items():
-            median = statistics.median(rates[variant])
-            mfu = {count: r[count] / statistics.median(r["seconds"]) / (peak or roof)
-                           for count in ("flops_4n", "flops_exact")}
-            ratio = f"{median / statistics.median(rates['baseline']):.2f}x" if variant != "baseline" else ""
-            device_ms = f"{r['device_ms']:.1f}" if r["device_ms"] is not None else "-"
-            spread = f"{min(rates[variant]):.0f}-{max(rates[variant]):.0f}"
-            print(f"{batch_size:>5} {variant:<9} {r['steps']:>5} {r['warmed_shapes']:>6} {median:>13.1f} "
-                  f"{spread:>15} {ratio:>6} {1 - r['tokens'] / r['padded_tokens']:>8.1%} "
-                  f"{r['peak_bytes'] / 2**30:>6.2f} GiB {r['host_ms']:>8.1f} {device_ms:>9} "
-                  f"{mfu['flops_4n']:>7.1%} {mfu['flops_exact']:>7.1%}", flush=True)
+    device = torch.cuda.get_device_name(0) if on_cuda else f"CPU, {torch.get_num_threads()} threads"
+    peak = args.peak_flops or next((flops for name, flops in GPU_PEAK_FLOPS.items() if name in device), None)
+    print(f"device: {device}; dense matmul ({roof_shape}): {roof / 1e9:.1f} GFLOP/s; MFU over "
+          + (f"the peak {peak / 1e12:.0f} TFLOP/s" if peak else "that matmul rate (no peak known)"))
+    print(f"{'batch':>5} {'variant':<9} {'steps':>5} {'shapes':>6} {'non-pad tok/s':>13} {'range':>15} "
+          f"{'ratio':>6} {'padding':>8} {'peak mem':>10} {'host ms':>8} {'device ms':>9} {'MFU 4N':>7} {'exact':>7}",
+          flush=True)
+    started = time.monotonic()
+    runs = [(batch_size, variant) for batch_size in batch_sizes for variant in variants]
+    baseline_rate = {}
+    for number, (batch_size, variant) in enumerate(runs):
+        # each row as soon as it is measured, and no new variant past the budget: a cut run keeps what it had
+        if args.time_budget is not None and time.monotonic() - started > args.time_budget:
+            left = ", ".join(f"{name} at {size}" for size, name in runs[number:])
+            print(f"time budget of {args.time_budget:.0f} s spent; not started: {left}", flush=True)
+            break
+        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], *VARIANTS[variant], "--variant", variant,
+                                "--per_device_train_batch_size", str(batch_size)], capture_output=True, text=True)
+        if child.returncode:
+            last_lines = "\n".join(f"    {line}" for line in child.stderr.strip().splitlines()[-8:])
+            print(f"{batch_size:>5} {variant:<9} failed (exit {child.returncode}):\n{last_lines}", flush=True)
+            continue
+        r = json.loads(child.stdout.strip().splitlines()[-1])
+        rates = [r["tokens"] / s for s in r["seconds"]]
+        median = statistics.median(rates)
+        if variant == "baseline":
+            baseline_rate[batch_size] = median
+        mfu = {count: r[count] / statistics.median(r["seconds"]) / (peak or roof)
+               for count in ("flops_4n", "flops_exact")}
+        ratio = (f"{median / baseline_rate[batch_size]:.2f}x" if variant != "baseline" and batch_size in baseline_rate
+                 else "")
+        device_ms = f"{r['device_ms']:.1f}" if r["device_ms"] is not None else "-"
+        spread = f"{min(rates):.0f}-{max(rates):.0f}"
+        print(f"{batch_size:>5} {variant:<9} {r['steps']:>5} {r['warmed_shapes']:>6} {median:>13.1f} "
+              f"{spread:>15} {ratio:>6} {1 - r['tokens'] / r['padded_tokens']:>8.1%} "
+              f"{r['peak_bytes'] / 2**30:>6.2f} GiB {r['host_ms']:>8.1f} {device_ms:>9} "
+              f"{mfu['flops_4n']:>7.1%} {mfu['flops_exact']:>7.1%}", flush=True)
+        if args.profile:
+            print(child.stderr[child.stderr.find(f"--- {variant}"):], flush=True)
     if args.nproc > 1:
         one, many = (multigpu_tokens_per_s(args, count, batch_sizes[0]) for count in (1, args.nproc))
         print(f"train_multigpu.py: 1 process {one:.1f} tok/s, {args.nproc} processes {many:.1f} tok/s; "

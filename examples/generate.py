@@ -40,6 +40,7 @@ from alpaca.args import (
 )
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_position
+from alpaca.versions import check_torch
 
 PROG = "generate.py"
 
@@ -79,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_quantization_flags(parser.add_argument_group("quantization of the base (as in training)"))
     args = parser.parse_args(argv)
     try:
+        check_torch()
         validate_quantization(args)
         validate_device_map(args)
         validate_generation(args)

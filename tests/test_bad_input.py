@@ -224,3 +224,24 @@ def test_non_ascii_and_very_long_records_just_work(tiny_model, tmp_path):
         "--per_device_train_batch_size", "2"))
     assert status == 0, stderr[-3000:]
     assert "Dropped 1 example(s) whose prompt alone reaches --model_max_length" in stdout
+
+
+
+def test_a_torch_older_than_the_tested_range_is_refused_before_any_weight_loads(tiny_model, tmp_path, output_dir,
+                                                                                monkeypatch):
+    """GPU images ship their own torch: one older than the tested range is one line naming the range, from either
+    script, before anything loads (the version faked where the check reads it); 2.11 is in the range."""
+    import alpaca.versions
+
+    runs = {"train.py": training_flags(tiny_model, write_records(tmp_path / "ok.json", 5), output_dir, "--max_steps",
+                                       "1", "--num_sample_answers", "0"),
+            "examples/generate.py": ["--reft_dir", str(output_dir), "--instruction", "Hi", "--max_new_tokens", "2"]}
+    for script, flags in runs.items():
+        monkeypatch.setattr(alpaca.versions, "version", lambda package: "2.10.1+cu128")
+        status, stdout, stderr = run_in_process(script, flags)
+        assert status == 2 and not stdout and stderr.strip().splitlines() == [
+            f"{script.rsplit('/')[-1]}: error: torch 2.10.1+cu128 is older than 2.11, the oldest these scripts are "
+            "tested with (2.11 to 2.13); pip install 'torch>=2.11'"], stderr[-2000:]
+        assert (output_dir / "notes.txt").read_text() == SENTINEL
+        monkeypatch.setattr(alpaca.versions, "version", lambda package: "2.11.0+cu130")
+        assert run_in_process(script, flags)[0] == 0

@@ -235,24 +235,30 @@ def test_a_pack_is_the_padded_batch(setup, attention):
         reft_model.model.set_attn_implementation(implementation)
 
 
-def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, monkeypatch):
+@pytest.mark.parametrize("takes_grouped_heads", [True, False], ids=["torch-2.13", "torch-2.11"])
+def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, monkeypatch, takes_grouped_heads):
     """--attn_implementation sdpa_varlen: a pack's attention goes through torch's varlen kernel with the pack's
     boundaries, query, key and value laid out as it takes them (tokens x heads x head dim, the tiny model's 2
-    key-value heads for 4 query heads), and gives the padded batch's losses and gradients, with no mask built
-    and no packed-sequence check (its host sync). The kernel runs on CUDA only: here each example's causal SDPA
-    stands in for it, so what is tested is everything around it."""
+    key-value heads for 4 query heads, or, to torch 2.11's kernel, which takes no `enable_gqa`, each repeated for
+    its 2 query heads), and gives the padded batch's losses and gradients, with no mask built and no
+    packed-sequence check (its host sync). The kernel runs on CUDA only: here each example's causal SDPA stands in
+    for it, so what is tested is everything around it."""
     import torch.nn.functional as F
     import transformers.masking_utils
     from torch.nn.attention import varlen
 
+    from alpaca import workarounds
     from alpaca.constants import VARLEN_ATTENTION
 
     calls = []
 
-    def each_example_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    def each_example_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
+                            **grouped):
         bounds = cu_seq_q.tolist()
         assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
-        assert window_size == (-1, 0) and enable_gqa and query.shape[1] == 2 * key.shape[1]
+        heads_per_key = 2 if takes_grouped_heads else 1
+        assert window_size == (-1, 0) and query.shape[1] == heads_per_key * key.shape[1]
+        assert grouped == ({"enable_gqa": True} if takes_grouped_heads else {})
         # what the CUDA kernel takes: int32 boundaries on the tensors' device, Python ints, a contiguous last dim
         assert cu_seq_q.dtype == torch.int32 and cu_seq_q.is_contiguous() and cu_seq_q.device == query.device
         assert type(max_q) is int and all(t.stride(-1) == 1 for t in (query, key, value))
@@ -263,6 +269,7 @@ def test_varlen_attention_gives_a_pack_the_padded_batch(tiny_model, tiny_data, m
 
     checks = []
     monkeypatch.setattr(varlen, "varlen_attn", each_example_causal)
+    monkeypatch.setattr(workarounds, "VARLEN_TAKES_GROUPED_HEADS", takes_grouped_heads)
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", checks.append)
     reft_model, dataset, collate = reft_setup(tiny_model, tiny_data, VARLEN_ATTENTION)
     pack = Collator(collate.pad_token_id, POSITION, False, num_layers=2).pack([dataset[i] for i in range(3)])
