@@ -42,6 +42,7 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6 7 8 9} "
+mkdir -p "$OUT"
 VARIANTS=${VARIANTS:-baseline,eager,compiled,packed,varlen}
 THROUGHPUT=($PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA"
             --num_examples "${NUM_EXAMPLES:-256}" --repeats 3)
