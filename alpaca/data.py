@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import csv
+import glob
 import hashlib
 import importlib
 import inspect
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pandas
 
 from alpaca.constants import (
     ALPACA_FIELDS,
@@ -148,13 +149,16 @@ def datasets_logging_quiet():
 
 
 def load_files(source: DataSource) -> datasets.DatasetDict:
-    """Load data files through `datasets`' packaged loader. A CSV's cells are read as the text they are ("007" stays
-    "007", an empty cell ""), as in a JSON file of strings; its header names the columns."""
+    """Load data files, as they are, through `datasets`' packaged loader. A CSV's cells are read as the text they are
+    ("007" stays "007", an empty cell ""), as in a JSON file of strings."""
+    # datasets reads each of data_files as a pattern: escaped, a file named data[1].json is that file
+    files = [glob.escape(file) for file in source.files]
     if source.loader != "csv":
-        return datasets.load_dataset(source.loader, data_files=list(source.files))
-    with open(source.files[0], newline="", encoding="utf-8") as file:
-        columns = next(csv.reader(file), [])
-    return datasets.load_dataset("csv", data_files=list(source.files), keep_default_na=False,
+        return datasets.load_dataset(source.loader, data_files=files)
+    # The columns as datasets' csv loader (pandas.read_csv) names them: after a byte-order mark, inside a .csv.gz,
+    # an unnamed index column written by pandas as 'Unnamed: 0'.
+    columns = pandas.read_csv(source.files[0], nrows=0).columns
+    return datasets.load_dataset("csv", data_files=files, keep_default_na=False,
                                  features=datasets.Features({column: datasets.Value("string") for column in columns}))
 
 
@@ -165,6 +169,7 @@ def read_dataset(path: str, flag: str, split: str | None = "train", config: str 
     splits, `split` (None: the only one)."""
     source = data_source(flag, path)
     where = f"{flag} {path!r}"
+    no_records = UsageError(f"{where} holds no records; pass {ACCEPTED} with at least one example")
     try:
         with datasets_logging_quiet():
             if source.kind == "saved":
@@ -173,12 +178,17 @@ def read_dataset(path: str, flag: str, split: str | None = "train", config: str 
                 loaded = load_files(source)
             else:
                 loaded = datasets.load_dataset(path, config)
+    except StopIteration:  # datasets' json loader, on files without a line (it takes the columns from the first)
+        raise no_records from None
     except (datasets.exceptions.DatasetsError, ValueError, OSError, UnicodeDecodeError) as error:
         reason = str(error.__cause__ or error).strip().splitlines()[0]
         if "corresponds to no data" in reason:  # what the packaged loaders say of files without a record
-            raise UsageError(f"{where} holds no records; pass {ACCEPTED} with at least one example") from None
+            raise no_records from None
         raise UsageError(f"cannot read {where}: {reason}") from None
     if isinstance(loaded, datasets.Dataset):
+        if split not in (None, "train", loaded.split):  # "train": --data_split's default
+            raise UsageError(f"{where} is one save_to_disk Dataset, not a DatasetDict: it has no split {split!r}; "
+                             f"drop {split_flag}")
         return loaded
     if split is None and len(loaded) == 1:
         return next(iter(loaded.values()))
@@ -247,8 +257,14 @@ def canonical_records(dataset: datasets.Dataset, source: str, data_format: str =
 
 def read_local_records(path: str, flag: str, data_format: str = "auto") -> list[dict]:
     """Read the records of a file (or any source read_dataset reads, its only split) in canonical_records' form:
-    Alpaca records (an 'output' may be missing: None) or conversations, not yet checked."""
-    return canonical_records(read_dataset(path, flag, split=None), f"{flag} {path!r}", data_format)
+    Alpaca records (an 'output' may be missing: None) or conversations, not yet checked, each beside the other
+    fields of its record (AlpacaEval's `dataset`, an id)."""
+    dataset = read_dataset(path, flag, split=None)
+    records = canonical_records(dataset, f"{flag} {path!r}", data_format)
+    conversations = bool(records) and CONVERSATION_FIELD in records[0]
+    read = (CONVERSATION_FIELD, SHAREGPT_FIELD, "system") if conversations else ALPACA_FIELDS
+    others = dataset.remove_columns([column for column in dataset.column_names if column in read])
+    return [{**other, **record} for other, record in zip(others, records)] if others.column_names else records
 
 
 def check_conversations(records: list[dict], source: str, last_role: str = "assistant") -> None:
@@ -291,15 +307,28 @@ def check_records(records: list[dict], source: str) -> None:
             )
 
 
+def renamed_fields(dataset: datasets.Dataset, field_map: dict[str, str], source: str) -> datasets.Dataset:
+    """Rename the records' fields as --field_map says. Two fields that would get one name (question=instruction
+    where the records hold 'instruction' too) are refused: which of them to train on is the user's choice."""
+    renames = {field: target for field, target in field_map.items() if field in dataset.column_names}
+    for target in dict.fromkeys(renames.values()):
+        fields = [column for column in dataset.column_names if renames.get(column, column) == target]
+        if len(fields) > 1:
+            mapped = ",".join(f"{field}={target}" for field in fields if field in renames)
+            raise UsageError(f"--field_map {mapped}: the records of {source} hold {' and '.join(map(repr, fields))}, "
+                             f"{len(fields)} fields that would be {target!r}; keep one (drop a mapping from "
+                             "--field_map, or a field from the records)")
+    return dataset.rename_columns(renames)
+
+
 def load_records(data_path: str, flag: str = "--data_path", field_map: dict[str, str] | None = None,
                  split: str | None = "train", config: str | None = None, data_format: str = "auto",
                  split_flag: str = "--data_split"):
     """Load Alpaca records or conversations, from any source read_dataset reads, checked, as an in-memory
     `datasets.Dataset` of the canonical columns (instruction, input, output; or messages): the same records
     give the same Dataset whatever their container. `field_map` renames top-level fields first (--field_map)."""
-    dataset = read_dataset(data_path, flag, split, config, split_flag)
-    dataset = dataset.rename_columns({k: v for k, v in (field_map or {}).items() if k in dataset.column_names})
     source = f"{flag} {data_path!r}"
+    dataset = renamed_fields(read_dataset(data_path, flag, split, config, split_flag), field_map or {}, source)
     records = canonical_records(dataset, source, data_format)
     check_records(records, source)
     if CONVERSATION_FIELD in records[0]:

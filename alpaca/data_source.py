@@ -27,27 +27,33 @@ class DataSource:
     files: tuple[str, ...] = ()
 
 
-def file_loader(flag: str, path: str) -> str:
+def data_file_loader(path: str) -> str | None:
+    """Return the `datasets` loader of a data file, told from its name (a .jsonl.gz by its kind), or None."""
     name = path.lower()
     for compression in COMPRESSIONS:
         name = name.removesuffix(compression)
-    loader = DATA_FILE_LOADERS.get(os.path.splitext(name)[1])
+    return DATA_FILE_LOADERS.get(os.path.splitext(name)[1])
+
+
+def file_loader(flag: str, path: str) -> str:
+    loader = data_file_loader(path)
     if loader is None:
         raise UsageError(f"{flag} {path!r} is not a data file datasets reads; pass {ACCEPTED}")
     return loader
 
 
 def data_source(flag: str, path: str) -> DataSource:
-    """Tell what `path` is; a local path that names nothing is refused here, at argument time."""
+    """Tell what `path` is: an existing file is read as itself, even where its name holds glob characters; a local
+    path that names nothing is refused here, at argument time."""
     if os.path.isdir(path):
         saved = any(os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
         return DataSource("saved" if saved else "directory", path)
-    if glob.has_magic(path):
+    if os.path.isfile(path):  # a file named data[1].json is that file, not a pattern
+        files = [path]
+    elif glob.has_magic(path):
         files = sorted(file for file in glob.glob(path, recursive=True) if os.path.isfile(file))
         if not files:
             raise UsageError(f"{flag} {path!r} matches no file; pass {ACCEPTED}")
-    elif os.path.isfile(path):
-        files = [path]
     elif HUB_NAME.fullmatch(path) and not path.lower().endswith((*DATA_FILE_LOADERS, *COMPRESSIONS)):
         return DataSource("hub", path)
     else:

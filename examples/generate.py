@@ -118,7 +118,7 @@ from tqdm.auto import tqdm
 
 from alpaca.constants import CONVERSATION_FIELD
 from alpaca.data import check_conversations, read_local_records
-from alpaca.data_source import DATA_FILE_LOADERS
+from alpaca.data_source import data_file_loader
 from alpaca.device_map import DeviceMap, local_rank_gpus
 from alpaca.distributed import ending_process_group, main_rank_result, run_checked
 from alpaca.generation import (
@@ -176,7 +176,7 @@ def read_instructions(path: str) -> list[dict]:
     file of another kind (.txt) holds one instruction a line."""
     if bare_instructions_listed(path):
         records = json.loads(Path(path).read_text(encoding="utf-8"))
-    elif not Path(path).is_file() or Path(path).suffix.lower() in DATA_FILE_LOADERS:
+    elif not Path(path).is_file() or data_file_loader(path):
         records = read_local_records(path, "--instructions_file")
     else:
         try:

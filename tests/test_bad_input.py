@@ -33,16 +33,22 @@ def bad_data(tmp_path):
     splits = {"train": good, "test": good[:1]}
     datasets.DatasetDict({name: datasets.Dataset.from_list(records) for name, records in splits.items()}).save_to_disk(
         tmp_path / "saved")
+    datasets.Dataset.from_list(good).save_to_disk(tmp_path / "saved_dataset")
     return {
         "missing": tmp_path / "missing.json",
         "directory": tmp_path / "data",
         "not data": write(tmp_path / "notes.txt", "instruction: Hi"),
         "saved": tmp_path / "saved",
+        "saved dataset": tmp_path / "saved_dataset",
         "not utf-8": write(tmp_path / "latin1.json", "[{\"instruction\": \"caf\xe9\"}]".encode("latin-1")),
         "malformed json": write(tmp_path / "broken.json", json.dumps(good)[:-5]),
         "malformed jsonl": write(tmp_path / "broken.jsonl", json.dumps(good[0]) + "\n{\"instruction\": \n"),
         "missing output": write(tmp_path / "no-output.json", json.dumps(good + [{"instruction": "Hi", "input": ""}])),
         "empty": write(tmp_path / "empty.json", "[]"),
+        "zero-byte json": write(tmp_path / "0-byte.json", ""),
+        "zero-byte jsonl": write(tmp_path / "0-byte.jsonl", ""),
+        "question and instruction": write(tmp_path / "both.json", json.dumps([{**record, "question": "Hi"}
+                                                                             for record in good])),
         "sharegpt role": write(tmp_path / "bot.jsonl", json.dumps({"conversations": [
             {"from": "human", "value": "Hi"}, {"from": "bot", "value": "Hello"}]})),
     }
@@ -57,6 +63,9 @@ CASES = [
     ("directory without data", ["--data_path", "{directory}"], "doesn't contain any data files"),
     ("split not saved", ["--data_path", "{saved}", "--data_split", "validation"],
      "has no split 'validation': its splits are 'train', 'test'; pick one with --data_split"),
+    ("split of a Dataset", ["--data_path", "{saved dataset}", "--data_split", "validation"],
+     "--data_path '{saved dataset}' is one save_to_disk Dataset, not a DatasetDict: it has no split 'validation'; "
+     "drop --data_split"),
     ("config of a file", ["--data_config", "en"], "names a configuration of a hub dataset"),
     ("eval split without eval data", ["--eval_data_split", "test"], "picks a split of --eval_data_path"),
     ("unreadable data", ["--data_path", "{not utf-8}"], "cannot read --data_path"),
@@ -64,6 +73,13 @@ CASES = [
     ("malformed jsonl", ["--data_path", "{malformed jsonl}"], "cannot read --data_path"),
     ("record without output", ["--data_path", "{missing output}"], "record 3 of"),
     ("empty dataset", ["--data_path", "{empty}"], "holds no records"),
+    ("0-byte json", ["--data_path", "{zero-byte json}"], "--data_path '{zero-byte json}' holds no records"),
+    ("0-byte jsonl", ["--data_path", "{zero-byte jsonl}"], "--data_path '{zero-byte jsonl}' holds no records"),
+    ("field mapped onto one the records hold", ["--data_path", "{question and instruction}", "--field_map",
+                                                "question=instruction"],
+     "--field_map question=instruction: the records of --data_path '{question and instruction}' hold 'instruction' "
+     "and 'question', 2 fields that would be 'instruction'; keep one (drop a mapping from --field_map, or a field "
+     "from the records)"),
     ("unknown sharegpt role", ["--data_path", "{sharegpt role}"], "a ShareGPT turn from 'bot'; the roles accepted"),
     ("everything truncated", ["--model_max_length", "8"], "no output token is left; raise --model_max_length"),
     ("layers not integers", ["--layers", "1;two"], "--layers '1;two' is malformed"),

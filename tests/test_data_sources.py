@@ -3,8 +3,10 @@ the same records, fingerprint and run whatever their container; ShareGPT and Ope
 conversations; what real files hold (nulls, CSV's text, a 'system' field) is read as meant. And the tokenized
 cache's key covers the code that builds prompts and labels."""
 
+import gzip
 import importlib
 import json
+import runpy
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from conftest import REPO, intervention_weights, mixed_records, run_in_process, 
 from test_conversations import CONVERSATION, write_jsonl
 
 from alpaca.data import load_records, load_splits, records_fingerprint
+from alpaca.data_source import data_source
 from alpaca.errors import UsageError
 
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt"}
@@ -102,6 +105,54 @@ def test_every_container_gives_the_same_records_fingerprint_and_run(tiny_model, 
     reference = runs.pop("json")
     for name, weights in runs.items():
         assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in weights), name
+
+
+@pytest.mark.fast
+def test_csv_files_as_excel_and_pandas_write_them_and_gzipped(tmp_path):
+    """Excel's "CSV UTF-8" (a byte-order mark, CRLF lines), pandas' to_csv with its index (an unnamed first column)
+    and a .csv.gz: the records they hold, their cells as text, as `datasets` reads them."""
+    records = quirky_records()
+    expected = [{"instruction": r["instruction"], "input": r.get("input", ""), "output": r["output"]} for r in records]
+    frame = pandas.DataFrame(records)
+    frame.to_csv(tmp_path / "excel.csv", index=False, encoding="utf-8-sig", lineterminator="\r\n")
+    frame.to_csv(tmp_path / "indexed.csv")
+    frame.to_csv(tmp_path / "records.csv.gz", index=False)
+    assert (tmp_path / "excel.csv").read_bytes().startswith(b"\xef\xbb\xbf")
+    assert (tmp_path / "indexed.csv").read_text().startswith(",instruction,")
+    for name in ("excel.csv", "indexed.csv", "records.csv.gz"):
+        assert load_records(str(tmp_path / name)).to_list() == expected, name
+
+
+@pytest.mark.fast
+def test_a_file_whose_name_holds_glob_characters_is_that_file(tmp_path):
+    """--data_path 'data[1].json' names that file, beside a data1.json its pattern matches and alone; a pattern
+    that names no file is still a glob."""
+    records = mixed_records()[:4]
+    (tmp_path / "data[1].json").write_text(json.dumps(records[:2]))
+    (tmp_path / "data1.json").write_text(json.dumps(records[2:]))
+    literal = str(tmp_path / "data[1].json")
+    assert load_records(literal)["instruction"] == [r["instruction"] for r in records[:2]]
+    assert load_records(str(tmp_path / "data[0-9].json"))["instruction"] == [r["instruction"] for r in records[2:]]
+    (tmp_path / "data1.json").unlink()
+    assert data_source("--data_path", literal).files == (literal,)
+    assert load_records(literal)["instruction"] == [r["instruction"] for r in records[:2]]
+
+
+@pytest.mark.fast
+def test_an_alpaca_eval_file_keeps_each_record_s_dataset(tmp_path):
+    """AlpacaEval's own file (instruction, output, generator, dataset; no bare instruction in it) given to
+    generate.py --instructions_file, as it is and gzipped: each answer names its record's `dataset`, not the
+    file's name."""
+    records = [{"instruction": record["instruction"], "output": record["output"], "generator": "text_davinci_003",
+                "dataset": dataset} for record, dataset in zip(mixed_records()[:3], ("helpful_base", "oasst", "koala"))]
+    (tmp_path / "alpaca_eval.json").write_text(json.dumps(records))
+    with gzip.open(tmp_path / "alpaca_eval.jsonl.gz", "wt") as file:
+        file.writelines(json.dumps(record) + "\n" for record in records)
+    read_instructions = runpy.run_path(str(REPO / "examples" / "generate.py"))["read_instructions"]
+    for name in ("alpaca_eval.json", "alpaca_eval.jsonl.gz"):
+        items = read_instructions(str(tmp_path / name))
+        assert [(item["instruction"], item["dataset"]) for item in items] == [(r["instruction"], r["dataset"])
+                                                                              for r in records], name
 
 
 def test_sharegpt_and_openai_messages_are_the_same_conversations(tmp_path):
