@@ -133,6 +133,11 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     strategy = choose_strategy(args, device, dtype, gpus)  # how the model is placed and stepped
     # an earlier run is refused before anything loads; rank 0 owns the output directory
     resume_from, finished = main_rank_result(lambda: prepare_output_dir(args), is_main, device)
+    if finished is not None:  # --resume_from_checkpoint auto where this run finished: a requeue,
+        # decided from the data, the model's files and the flags before the base model loads
+        print(main_rank_result(lambda: check_finished(finished, args, world_size, dtype), is_main,
+                               device))
+        return
 
     # -- data and model ------------------------------------------------------------------------
     loaded = load_data_and_model(args, strategy, dtype, position, device)
@@ -140,10 +145,6 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
 
     # -- optimization: global batch = per_device x world_size x accumulation -------------------
     schedule = StepSchedule.from_args(args, len(dataset), world_size)
-    if finished is not None:  # --resume_from_checkpoint auto where this run finished: a requeue
-        print(check_finished(finished, args, world_size, len(dataset), loaded.fingerprint,
-                             schedule.total_steps))
-        return
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
     start = TrainingStart()  # a new run; a resumed one goes on where its checkpoint left off
     if resume_from is not None:
@@ -169,7 +170,7 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     def checkpoint(epoch: int, next_batch: int) -> Path:
         """Save the state after `step` optimizer steps, to go on at (epoch, next_batch) of the
         global batch plan; if writing fails, the run stops."""
-        exit_if_diverged(strategy, PROG, args.output_dir, metrics)
+        exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
         rng_states = [None] * world_size  # every rank's, for rank 0 to write
         dist.all_gather_object(rng_states, rng_state(gpus))
         logged_so_far = window.totals()
@@ -239,7 +240,7 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
                                            learning_rate, float(grad_norm), now - window_start,
                                            now - train_start), progress)
                 # the host has read the step: if one was not finite, stop before anything is saved
-                exit_if_diverged(strategy, PROG, args.output_dir, metrics)
+                exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
                 window.reset()
                 window_start = time.perf_counter()
             if schedule.should_evaluate(step, end_of_epoch):
@@ -261,7 +262,7 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     train_time = time.perf_counter() - train_start - eval_time
 
     # -- output: the interventions, arguments, metrics and the last lines ------------------------
-    exit_if_diverged(strategy, PROG, args.output_dir, metrics)
+    exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
     throughput = gather_rank_report(window.tokens_seen / train_time, base_bytes, device)
     trained = f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: {throughput}"
     answers = (sample_answers(reft_model, loaded.tokenizer, args, position, loaded.num_layers,
@@ -349,7 +350,8 @@ def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
     num_layers = num_intervened_layers(reft_model, position, args.share_weights)
     collate = Collator(tokenizer.pad_token_id, position, args.share_weights, num_layers,
                        args.pad_to_multiple_of)
-    fingerprint = training_fingerprint(args, records, model)  # what its checkpoints are bound to
+    # what its checkpoints are bound to
+    fingerprint = training_fingerprint(args, records, model_path, dtype)
     return DataAndModel(tokenizer, reft_model, dataset, eval_dataset, num_layers, collate,
                         fingerprint)
 

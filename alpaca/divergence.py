@@ -6,30 +6,47 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-from tqdm.auto import tqdm
-
-from alpaca.checkpoint import latest_checkpoint
+from alpaca.checkpoint import checkpoints, is_complete, latest_checkpoint, step_of
 
 DIVERGED_EXIT_CODE = 3  # neither a usage error (2) nor a crash or failed write (1): a requeue would diverge again
+ANEW = "--overwrite_output_dir (without --resume_from_checkpoint)"
 
 
-def exit_if_diverged(strategy, prog: str, output_dir: str | os.PathLike, metrics) -> None:
+def exit_if_diverged(strategy, prog: str, output_dir: str | os.PathLike, resumed_from: Path | None, metrics,
+                     progress) -> None:
     """Stop a diverged run: every rank calls it (a collective under torch.distributed). If a step was not finite, the
-    rank that logs (rank 0, whose `metrics` are not disabled) says, in one line, which step and where to resume from,
-    then closes its log (wandb's finish can take a while, and torchrun ends a straggler once the other ranks have
-    exited); every rank exits DIVERGED_EXIT_CODE."""
+    rank that logs (rank 0, whose `metrics` are not disabled) closes its tqdm `progress` bar (else it is drawn again
+    under the line), says in one line which step and where to go on from (way_on), then closes its log (wandb's
+    finish can take a while, and torchrun ends a straggler once the other ranks have exited); every rank exits
+    DIVERGED_EXIT_CODE. `resumed_from`: the checkpoint this run started from, or None."""
     first = strategy.first_non_finite_step()
     if first is None:
         return
     if not metrics.disable:
-        newest = latest_checkpoint(output_dir)
-        way_on = (f"resume its newest checkpoint with a lower learning rate: --resume_from_checkpoint {newest} "
-                  "--learning_rate <lower>" if newest is not None
-                  else "no checkpoint was saved before it: train again with a lower --learning_rate")
-        # tqdm.write: on a line of its own, under the progress bar
-        tqdm.write(f"{prog}: error: the loss or gradient norm is not finite (NaN or inf) at step {first}, which was "
-                   f"not applied, and nothing was saved after it; {way_on}", file=sys.stderr)
+        progress.close()
+        print(f"{prog}: error: the loss or gradient norm is not finite (NaN or inf) at step {first}, which was not "
+              f"applied, and nothing was saved after it; {way_on(output_dir, resumed_from)}", file=sys.stderr)
         sys.stderr.flush()  # before torchrun's report of the failed ranks
         metrics.close()
     sys.exit(DIVERGED_EXIT_CODE)
+
+
+def way_on(output_dir: str | os.PathLike, resumed_from: Path | None) -> str:
+    """Say where a diverged run goes on at a lower learning rate: its newest intact checkpoint; where that is the one
+    the run itself resumed from (no newer one written since), the intact one before it, as the weights it holds
+    may be what diverges (a step with a finite loss can send them to ~1e30, the next one's loss is NaN); else anew."""
+    newest = latest_checkpoint(output_dir)
+    if newest is None:
+        return f"no checkpoint was saved before it: train again with a lower --learning_rate and {ANEW}"
+    if resumed_from is None or newest.resolve() != Path(resumed_from).resolve():
+        return ("resume its newest checkpoint with a lower learning rate: --resume_from_checkpoint "
+                f"{newest} --learning_rate <lower>")
+    resumed = f"this run resumed from {newest} and diverged before saving another"
+    earlier = next((path for path in reversed(checkpoints(output_dir))
+                    if step_of(path) < step_of(newest) and is_complete(path)), None)
+    if earlier is None:
+        return f"{resumed}, and no checkpoint before it is kept: train anew with a lower --learning_rate and {ANEW}"
+    return (f"{resumed}: resume the checkpoint before it with a lower learning rate: --resume_from_checkpoint "
+            f"{earlier} --learning_rate <lower>")

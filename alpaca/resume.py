@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import AutoConfig
 
 from alpaca.args import build_parser
 from alpaca.checkpoint import latest_checkpoint, load_intervention_states
-from alpaca.data import records_fingerprint
+from alpaca.data import load_training_splits, records_fingerprint
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers, parse_position
-from alpaca.model import model_fingerprint
+from alpaca.model import check_model, model_fingerprint
 from alpaca.output import LogWindow
 from alpaca.step_schedule import StepSchedule
 
@@ -159,11 +160,13 @@ def bound_flag_values(args: argparse.Namespace, num_layers: int, dtype: torch.dt
     return flags
 
 
-def training_fingerprint(args: argparse.Namespace, records, model) -> dict:
-    """Fingerprint what a checkpoint is bound to: the training data as trained on (content), the base model (config,
-    tokenizer, weights: alpaca.model.model_fingerprint) and the bound flags (bound_flag_values)."""
-    return {"data": records_fingerprint(records), "model": model_fingerprint(model.name_or_path, args.cache_dir),
-            "flags": bound_flag_values(args, model.config.num_hidden_layers, model.dtype)}
+def training_fingerprint(args: argparse.Namespace, records, model_path: str, dtype: torch.dtype) -> dict:
+    """Fingerprint what a checkpoint is bound to: the training data as trained on (content), the base model at
+    `model_path` (config, tokenizer, weights: alpaca.model.model_fingerprint) and the bound flags (bound_flag_values,
+    `dtype` as resolved). From files alone: no weight is loaded."""
+    num_layers = AutoConfig.from_pretrained(model_path, cache_dir=args.cache_dir).num_hidden_layers
+    return {"data": records_fingerprint(records), "model": model_fingerprint(model_path, args.cache_dir),
+            "flags": bound_flag_values(args, num_layers, dtype)}
 
 
 def check_fingerprint(saved: dict | None, current: dict, args: argparse.Namespace,
@@ -200,17 +203,19 @@ def describe_geometry(g: dict) -> str:
             f"{g['world_size']} processes x {g['gradient_accumulation_steps']} accumulation")
 
 
-def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int,
+def check_resumable(trainer_state: dict, args: argparse.Namespace, world_size: int, num_examples: int | None,
                     bound_to: str = "the checkpoint") -> None:
-    """Check that the batch plan is the same one: same global batch, seed and prompts; the world size may change."""
+    """Check that the batch plan is the same one: same global batch, seed and prompts; the world size may change.
+    `num_examples`: this run's, None where not counted yet."""
     saved, current = trainer_state["geometry"], geometry(args, world_size)
     if saved["global_batch_size"] != current["global_batch_size"]:
         raise UsageError(f"{bound_to} was written with {describe_geometry(saved)}, this run has "
                          f"{describe_geometry(current)}; resume with the same global batch")
     if trainer_state["seed"] != args.seed:
         raise UsageError(f"{bound_to} was written with --seed {trainer_state['seed']} on "
-                         f"{trainer_state['num_examples']} examples, this run has --seed {args.seed} on "
-                         f"{num_examples}; resume with the same data and seed")
+                         f"{trainer_state['num_examples']} examples, this run has --seed {args.seed}"
+                         f"{'' if num_examples is None else f' on {num_examples}'}; resume with the same data and "
+                         "seed")
     saved_template = trainer_state["prompt_template"]
     if saved_template != args.prompt_template:
         raise UsageError(f"{bound_to} was trained with --prompt_template {saved_template}, this run has "
@@ -225,12 +230,16 @@ def finished_record(step: int, args: argparse.Namespace, world_size: int, num_ex
             "prompt_template": args.prompt_template, "fingerprint": fingerprint, "learning_rate": args.learning_rate}
 
 
-def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_examples: int, fingerprint: dict,
-                   total_steps: int) -> str:
+def check_finished(record: dict, args: argparse.Namespace, world_size: int, dtype: torch.dtype) -> str:
     """Check --resume_from_checkpoint auto in a finished run's directory: the line saying there is nothing to train when
     this run is that run; refused like any resume when it differs, and when it asks for another number of steps
-    (the output keeps no optimizer state to go on from)."""
-    check_resumable(record, args, world_size, num_examples, "the finished run")
+    (the output keeps no optimizer state to go on from). Decided before the base model loads (a 70B base takes
+    minutes of the job's slot): from the record, the training records, the base model's files (check_model: the
+    refusals of a run on it) and the flags, `dtype` as resolved; with the same records, tokenizer and flags, this
+    run has the finished run's number of examples once tokenized."""
+    records, _ = load_training_splits(args)
+    fingerprint = training_fingerprint(args, records, check_model(args), dtype)
+    check_resumable(record, args, world_size, None, "the finished run")
     check_fingerprint(record["fingerprint"], fingerprint, args, "the finished run")
     if record["learning_rate"] != args.learning_rate:  # which a resume may change, but a finished run has no state
         raise UsageError(f"the finished run in {args.output_dir} was trained at --learning_rate "
@@ -238,6 +247,7 @@ def check_finished(record: dict, args: argparse.Namespace, world_size: int, num_
                          "optimizer state to go on from: resume one of its checkpoints at the new rate with "
                          "--resume_from_checkpoint, or train anew with --overwrite_output_dir (without "
                          "--resume_from_checkpoint)")
+    total_steps = StepSchedule.from_args(args, record["num_examples"], world_size).total_steps
     if record["step"] != total_steps:
         newest = latest_checkpoint(args.output_dir) if total_steps > record["step"] else None
         raise UsageError(f"the finished run in {args.output_dir} ended at step {record['step']}, this run would end "

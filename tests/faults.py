@@ -7,7 +7,8 @@ The fault hits rank r (default 0) during step k, before that step's update: the 
 `write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
 fail in its first tensor file, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving
 a partial file. `inf_loss` adds inf to each of rank r's micro-batch losses of step k: a non-finite loss on that
-rank alone, whose gradient stays finite.
+rank alone, whose gradient stays finite. `load_base` makes loading the base model (alpaca.model.load_base_model,
+every strategy's) fail on every rank: a run that must not load it.
 Without FAULT the script runs as it is. Either way, the process-group threads still running when the script
 has returned, and the exit status it asks for, are printed last to stderr: a group destroyed for good leaves
 no thread.
@@ -46,7 +47,8 @@ class Fault:
                          (alpaca.checkpoint, "save_interventions", self.save_interventions),  # checkpoints
                          (alpaca.checkpoint, "save_checkpoint", self.save_checkpoint),
                          (alpaca.checkpoint, "write_file", self.write_file),
-                         (alpaca.loss, "summed_token_loss", self.summed_token_loss)]
+                         (alpaca.loss, "summed_token_loss", self.summed_token_loss),
+                         (alpaca.strategy, "load_base_model", self.load_base_model)]
         self.original = {(module, name): getattr(module, name) for module, name, _ in self.replaced}
 
     def __enter__(self):
@@ -83,6 +85,11 @@ class Fault:
         if self.mode == "inf_loss" and self.steps == self.fault_step - 1 and self.on_this_rank:
             return loss + math.inf
         return loss
+
+    def load_base_model(self, *args, **kwargs):
+        if self.mode == "load_base":
+            raise RuntimeError("injected failure: the base model loads")
+        return self.original[alpaca.strategy, "load_base_model"](*args, **kwargs)
 
     def save_interventions(self, *args, **kwargs):
         save_interventions = self.original[alpaca.output, "save_interventions"]

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import FAULTS, deepspeed_config_file, exit_statuses, run_in_process, torchrun, training_flags
+from faults import Fault
 
 import alpaca.strategy
 from alpaca.checkpoint import load_checkpoint
@@ -24,9 +25,14 @@ from alpaca.output import MetricsLog, plot_loss, read_metrics
 DIVERGING = ["--learning_rate", "1e30", "--max_steps", "6", "--save_steps", "1", "--logging_steps", "3",
              "--save_strategy", "steps", "--num_sample_answers", "0", "--per_device_train_batch_size", "2"]
 LINE = re.compile(r"(?:train\.py|train_multigpu\.py): error: the loss or gradient norm is not finite \(NaN or inf\) "
-                  r"at step (\d+), which was not applied, and nothing was saved after it; resume its newest "
-                  r"checkpoint with a lower learning rate: --resume_from_checkpoint (\S+) --learning_rate <lower>$",
-                  re.MULTILINE)
+                  r"at step (\d+), which was not applied, and nothing was saved after it; (.*)$", re.MULTILINE)
+NEWEST = re.compile(r"resume its newest checkpoint with a lower learning rate: --resume_from_checkpoint (\S+) "
+                    r"--learning_rate <lower>")
+
+
+def last_line(output: str) -> str:
+    """The line a terminal shows last: a progress bar redraws its line after a carriage return."""
+    return re.split(r"[\r\n]+", output.strip())[-1]
 
 
 def reject_constant(name: str):
@@ -63,8 +69,9 @@ def assert_stopped(statuses: list[int], stderr: str, output_dir, first_step: int
     assert statuses and set(statuses) == {DIVERGED_EXIT_CODE}, stderr[-3000:]
     lines = LINE.findall(stderr)
     assert len(lines) == 1, stderr[-3000:]
-    step, newest = lines[0]
-    assert int(step) == first_step and newest == str(output_dir / f"checkpoint-{checkpoint_step}")
+    step, way_on = lines[0]
+    newest = str(output_dir / f"checkpoint-{checkpoint_step}")
+    assert int(step) == first_step and NEWEST.fullmatch(way_on)[1] == newest, way_on
     assert max(int(path.name.removeprefix("checkpoint-")) for path in output_dir.glob("checkpoint-*")) == (
         checkpoint_step)
     assert not list(output_dir.glob("intkey_*.bin")) and not (output_dir / "loss.png").exists()
@@ -73,26 +80,59 @@ def assert_stopped(statuses: list[int], stderr: str, output_dir, first_step: int
 
 
 def test_a_diverging_run_stops_before_saving_and_its_checkpoint_resumes(tiny_model, tiny_data, tmp_path):
-    """One process: stopped at step 2 with checkpoint-1 named; resumed from it as the line says (at a learning
-    rate that is still too high for weights already sent to ~1e30), the run diverges again at step 2 and stops the
-    same way."""
+    """One process: stopped at step 2 with checkpoint-1 named, the line last on the terminal (the progress bar
+    closed first). Resumed from it as the line says, at a rate that would not diverge from a sound start, the run
+    diverges again at step 2 (step 1's update sent the interventions to ~1e30): no checkpoint before the one it
+    resumed from is kept, so the line says to train anew rather than name checkpoint-1 again."""
     output_dir = tmp_path / "out"
     args = training_flags(tiny_model, tiny_data, output_dir, *DIVERGING)
     status, _, stderr = run_in_process("train.py", args)
     assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
+    assert LINE.fullmatch(last_line(stderr)), stderr[-3000:]
     status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto",
-                                                        "--learning_rate", "1e29"])
+                                                        "--learning_rate", "1e-2"])
     assert f"resuming {output_dir / 'checkpoint-1'} at step 1" in stdout, stderr[-3000:]
-    assert_stopped([status], stderr, output_dir, first_step=2, checkpoint_step=1)
+    assert status == DIVERGED_EXIT_CODE and LINE.fullmatch(last_line(stderr)), stderr[-3000:]
+    assert LINE.fullmatch(last_line(stderr))[2] == (
+        f"this run resumed from {output_dir / 'checkpoint-1'} and diverged before saving another, and no checkpoint "
+        "before it is kept: train anew with a lower --learning_rate and --overwrite_output_dir (without "
+        "--resume_from_checkpoint)")
+    assert [path.name for path in output_dir.glob("checkpoint-*")] == ["checkpoint-1"]
+    assert_all_finite(output_dir)
 
 
-@pytest.mark.parametrize("strategy", [[], ["--fsdp", "full_shard"], ["--deepspeed", "ZERO2"]],
-                         ids=["ddp", "fsdp", "zero2"])
+def test_a_resumed_run_that_diverges_again_is_sent_to_the_checkpoint_before(tiny_model, tiny_data, tmp_path):
+    """A non-finite loss at step 5 (tests/faults.py) after checkpoints 2 and 4: checkpoint-4 named. Resumed from it
+    and non-finite again at its first step (5), before it saves: the line names checkpoint-2, from which the run
+    then trains to its end."""
+    output_dir = tmp_path / "out"
+    args = training_flags(tiny_model, tiny_data, output_dir, "--max_steps", "6", "--save_strategy", "steps",
+                          "--save_steps", "2", "--logging_steps", "3", "--num_sample_answers", "0",
+                          "--per_device_train_batch_size", "2")
+    with Fault("inf_loss", 5):
+        status, _, stderr = run_in_process("train.py", args)
+    assert_stopped([status], stderr, output_dir, first_step=5, checkpoint_step=4)
+    with Fault("inf_loss", 1):  # this process's first step: step 5
+        status, _, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
+    assert status == DIVERGED_EXIT_CODE and LINE.fullmatch(last_line(stderr)), stderr[-3000:]
+    assert LINE.fullmatch(last_line(stderr)).groups() == (
+        "5", f"this run resumed from {output_dir / 'checkpoint-4'} and diverged before saving another: resume the "
+             "checkpoint before it with a lower learning rate: --resume_from_checkpoint "
+             f"{output_dir / 'checkpoint-2'} --learning_rate <lower>")
+    status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint",
+                                                         output_dir / "checkpoint-2", "--learning_rate", "1e-3"])
+    assert status == 0 and f"resuming {output_dir / 'checkpoint-2'} at step 2" in stdout, stderr[-3000:]
+    assert_all_finite(output_dir)
+
+
+@pytest.mark.parametrize("strategy", [[], ["--fsdp", "full_shard"], ["--deepspeed", "2"], ["--deepspeed", "3"]],
+                         ids=["ddp", "fsdp", "zero2", "zero3"])
 def test_a_diverging_run_stops_on_every_rank(tiny_model, tiny_data, tmp_path, strategy):
-    """2 processes, under DDP, FSDP and ZeRO-2 (whose engine skips a step with a non-finite gradient itself):
-    every rank stops, rank 0 says why (tests/faults.py, with no fault, reports each rank's exit status)."""
+    """2 processes, under DDP, FSDP, ZeRO-2 (whose engine skips a step with a non-finite gradient itself) and ZeRO-3
+    (every parameter partitioned, the interventions gathered for the checkpoint it names): every rank stops, rank 0
+    says why (tests/faults.py, with no fault, reports each rank's exit status)."""
     if strategy[:1] == ["--deepspeed"]:
-        strategy = ["--deepspeed", str(deepspeed_config_file(tmp_path, 2))]
+        strategy = ["--deepspeed", str(deepspeed_config_file(tmp_path, int(strategy[1])))]
     output_dir = tmp_path / "out"
     result = torchrun(2, [FAULTS, "train_multigpu.py", *training_flags(tiny_model, tiny_data, output_dir,
                                                                        *DIVERGING, *strategy)])

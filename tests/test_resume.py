@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import (
     DDP,
     EACH_RANK_ENDS_ON_ITS_OWN,
@@ -358,14 +359,20 @@ def test_a_resume_that_changes_a_bound_flag_is_refused_naming_it(name):
     assert message.count("in this run)") == 1
 
 
-def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference):
+def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference, monkeypatch):
     """--resume_from_checkpoint auto in the reference run's directory (finished at step 9), as a requeued job
     runs it: one line, exit 0, no step trained and no file touched. With another bound flag: refused like any
     resume, and so is another --learning_rate (which a checkpoint's resume may change). Asked for more steps:
-    refused, naming the newest checkpoint to go on from, which then trains the longer run; for fewer: refused."""
+    refused, naming the newest checkpoint to go on from, which then trains the longer run; for fewer: refused.
+    All decided before the base model loads: its loading fails until the longer run."""
     run = shutil.copytree(reference / "single", tmp_path / "run")
     args = flags(tiny_model, tiny_data, run, *SINGLE)
     before = files_of(run)
+
+    def refuse_to_load(*args, **kwargs):
+        raise AssertionError("a requeue of a finished run loaded the base model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse_to_load)
     status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", "auto"])
     assert status == 0, stderr[-3000:]
     assert stdout.strip().splitlines()[-1] == (f"Nothing to train: {run} holds this run, finished at step 9 with "
@@ -392,6 +399,10 @@ def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_pat
     assert message.endswith("ended at step 9, this run would end at step 5; a finished run keeps no optimizer state "
                             "to go on from: train anew with --overwrite_output_dir (without "
                             "--resume_from_checkpoint)")
+    message = refused_resume(run, flags(tiny_model, tiny_data, run, *SINGLE, "--seed", "7"))
+    assert message == ("train.py: error: the finished run was written with --seed 42 on 17 examples, this run has "
+                       "--seed 7; resume with the same data and seed")
+    monkeypatch.undo()
     status, stdout, stderr = run_in_process("train.py", [*args, "--max_steps", "11", "--resume_from_checkpoint",
                                                          run / "checkpoint-8"])
     assert status == 0, stderr[-3000:]
@@ -400,12 +411,13 @@ def test_a_finished_run_requeued_is_left_as_it_is(tiny_model, tiny_data, tmp_pat
 
 
 def test_a_finished_run_requeued_on_two_processes_is_left_as_it_is(tiny_model, tiny_data, tmp_path, reference):
-    """The same under torchrun: every rank exits 0, the line printed once (rank 0), no file touched."""
+    """The same under torchrun: every rank exits 0, the line printed once (rank 0), no file touched, no base model
+    loaded (tests/faults.py makes loading it fail on every rank)."""
     run = shutil.copytree(reference / "ddp", tmp_path / "run")
     before = files_of(run)
-    result = torchrun(2, ["train_multigpu.py", *flags(tiny_model, tiny_data, run, *DDP), "--resume_from_checkpoint",
-                          "auto"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(2, [FAULTS, "train_multigpu.py", *flags(tiny_model, tiny_data, run, *DDP),
+                          "--resume_from_checkpoint", "auto"], env={"FAULT": "load_base"})
+    assert result.returncode == 0 and exit_statuses(result.stderr) == [0, 0], result.stderr[-3000:]
     assert result.stdout.count("Nothing to train") == 1
     assert f"Nothing to train: {run} holds this run, finished at step 9" in result.stdout
     assert files_of(run) == before
