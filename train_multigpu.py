@@ -163,7 +163,8 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset), resume_from,
                      start.step, ready_s, world_size, placement), flush=True)  # rank 0's stdout
     metrics = MetricsLog(args.output_dir, args, resume_step=start.step,
-                         wandb_run_id=start.wandb_run_id, disable=not is_main, **resolved)
+                         wandb_run_id=start.wandb_run_id, held_out=loaded.held_out,
+                         disable=not is_main, **resolved)
     window = LogWindow(device, start.window)
     step = start.step
 
@@ -325,6 +326,7 @@ class DataAndModel:
     num_layers: int  # intervened layers (alpaca.model.num_intervened_layers)
     collate: Collator
     fingerprint: dict  # what its checkpoints are bound to (alpaca.resume.training_fingerprint)
+    held_out: Dataset | None  # the records --eval_split_ratio held out, untokenized
 
 
 def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
@@ -352,8 +354,9 @@ def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
                        args.pad_to_multiple_of)
     # what its checkpoints are bound to
     fingerprint = training_fingerprint(args, records, model_path, dtype)
+    held_out = eval_records if args.eval_split_ratio is not None else None
     return DataAndModel(tokenizer, reft_model, dataset, eval_dataset, num_layers, collate,
-                        fingerprint)
+                        fingerprint, held_out=held_out)
 
 
 if __name__ == "__main__":

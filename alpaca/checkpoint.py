@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from alpaca.constants import HELD_OUT_FILE
 from alpaca.errors import StorageError, UsageError
 from alpaca.manifest import files_problem, read_manifest, write_manifest
 from alpaca.output import ARGS_FILE, FINISHED_FILE, plot_loss, save_interventions
@@ -291,9 +292,11 @@ def prepare_output_dir(args: argparse.Namespace) -> tuple[Path | None, dict | No
 
 
 def remove_stale_staging(output_dir: str | os.PathLike) -> None:
-    """Remove staging directories (and files) left by a run killed while writing a checkpoint or its final output."""
+    """Remove staging directories (and files) left by a run killed while writing a checkpoint, its held-out records or
+    its final output."""
     for pattern in (f".{PREFIX}*.staging-*", ".staging-*"):
         for path in Path(output_dir).glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
-    for path in Path(output_dir).glob(f".{FINISHED_FILE}.staging-*"):
-        path.unlink()
+    for name in (FINISHED_FILE, HELD_OUT_FILE):
+        for path in Path(output_dir).glob(f".{name}.staging-*"):
+            path.unlink()

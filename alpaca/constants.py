@@ -53,3 +53,6 @@ RECORD_FORMATS = {
     "sharegpt": "ShareGPT 'conversations' (turns of 'from' and 'value')",
 }
 DATA_FORMATS = ("auto", *RECORD_FORMATS)
+# In an output_dir: the records --eval_split_ratio held out, as JSON lines of the canonical fields training reads
+# (examples/generate.py --held_out answers them).
+HELD_OUT_FILE = "held_out.jsonl"

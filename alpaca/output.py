@@ -23,7 +23,7 @@ import datasets
 import torch
 import transformers
 
-from alpaca.constants import INTERVENTIONS
+from alpaca.constants import HELD_OUT_FILE, INTERVENTIONS
 from alpaca.errors import UsageError
 from alpaca.model import import_intervention, new_intervention
 from alpaca.workarounds import (
@@ -118,9 +118,17 @@ def load_reft_model(directory: str | os.PathLike, base_model):
     return reft_model
 
 
-def save_args(args: argparse.Namespace, directory: str | os.PathLike, **resolved) -> None:
-    """Save the arguments, the run's first write to its output directory: a finished run there is finished no more."""
+def save_args(args: argparse.Namespace, directory: str | os.PathLike, held_out: datasets.Dataset | None = None,
+              **resolved) -> None:
+    """Save the arguments, the run's first write to its output directory: a finished run there is finished no more.
+    The records --eval_split_ratio `held_out` go beside them (HELD_OUT_FILE); an earlier run's are removed."""
     (Path(directory) / FINISHED_FILE).unlink(missing_ok=True)
+    (Path(directory) / HELD_OUT_FILE).unlink(missing_ok=True)
+    if held_out is not None:
+        staging = Path(directory) / f".{HELD_OUT_FILE}.staging-{os.getpid()}"
+        staging.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in held_out),
+                           encoding="utf-8")
+        os.replace(staging, Path(directory) / HELD_OUT_FILE)
     with open(Path(directory) / ARGS_FILE, "w") as file:
         json.dump({**vars(args), **resolved}, file, indent=2, default=str)
 
@@ -215,13 +223,14 @@ class MetricsLog:
     eval/<key>, like HF's Trainer). `disable`: a log that writes nothing (a rank but 0), as tqdm's."""
 
     def __init__(self, directory: str | os.PathLike, args: argparse.Namespace, resume_step: int = 0,
-                 wandb_run_id: str | None = None, disable: bool = False, **resolved):
+                 wandb_run_id: str | None = None, disable: bool = False, held_out: datasets.Dataset | None = None,
+                 **resolved):
         """Start the run's log: a resumed run keeps the records up to its checkpoint (a killed run may have logged past
-        it) and continues the same wandb run."""
+        it) and continues the same wandb run. The arguments (and the `held_out` records) are saved first."""
         self.disable, self.wandb_run = disable, None
         if disable:
             return
-        save_args(args, directory, **resolved)
+        save_args(args, directory, held_out, **resolved)
         self.path = Path(directory) / METRICS_FILE
         kept = [r for r in read_metrics(directory) if r["step"] <= resume_step] if resume_step else []
         self.path.write_text("".join(json_line(record) for record in kept))

@@ -5,6 +5,7 @@ or the base model's and the ReFT model's side by side (or two trained runs': --c
     torchrun --nproc_per_node 8 examples/generate.py --reft_dir out --instructions_file eval.json \\
         --output_file answers.json --per_device_batch_size 32          # the same file, from 8 GPUs
     python examples/generate.py ... --output_file answers.json --resume  # after a kill: the answers left
+    python examples/generate.py --reft_dir out --held_out --output_file held_out_answers.json  # --eval_split_ratio's
     python examples/generate.py --reft_dir out --instructions_file eval.json --output_file base.json --base
     python examples/generate.py --reft_dir output                        # side by side, 3 held-out instructions
     python examples/generate.py --reft_dir out --instruction "Name three primary colors." --max_new_tokens 64
@@ -15,8 +16,10 @@ or the base model's and the ReFT model's side by side (or two trained runs': --c
 
 The base model (unless given), the intervention positions, the prompt template and --model_max_length come from
 the run's training_args.json; the interventions act on the prompt's positions, as in training. Greedy unless
---do_sample. --instructions_file: Alpaca records (instruction, optional input), `messages` conversations ending
-with the user's turn, or a JSON list of instructions, as .json/.jsonl; any other file: one instruction a line.
+--do_sample. --instructions_file: what training reads (Alpaca records, `messages` or ShareGPT conversations) or a
+JSON list of instructions, as .json/.jsonl; any other file: one instruction a line. A conversation ending with the
+assistant's turn is answered from the turns before it; that turn, like an Alpaca record's output, is written as the
+answer's `reference`. --held_out: the records the run held out (--eval_split_ratio), which it wrote to held_out.jsonl.
 With --output_file every process answers its share in left-padded batches (the same batches on 1 and N
 processes), appending them to OUTPUT.partial/ as they finish; process 0 writes the answers in input order and
 OUTPUT's summary (.summary.json). --device_map, --max_memory and --offload_folder place the base as in training
@@ -54,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--instructions_file", default=None,
                         help="records to answer: .json/.jsonl of Alpaca records, conversations or instructions; "
                              "else one instruction per line")
+    parser.add_argument("--held_out", action="store_true",
+                        help="answer the records the run held out (--eval_split_ratio): its held_out.jsonl")
     parser.add_argument("--conversations_file", default=None,
                         help="conversations to continue (a run trained with --prompt_template chat): .json/.jsonl "
                              "records of 'messages', each ending with the user's turn")
@@ -90,14 +95,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def validate_generation(args: argparse.Namespace) -> None:
+    if args.held_out and args.instructions_file:
+        raise UsageError("--held_out and --instructions_file both name the records to answer; give one")
     if args.output_file is None:
         given = next((flag for flag in ("base", "resume", "generator_name") if getattr(args, flag)), None)
         if given:
             raise UsageError(f"--{given} applies to a file of answers; add --output_file FILE")
     elif args.compare:
         raise UsageError("--compare prints two runs side by side; write each run's --output_file instead")
-    elif not args.instructions_file:
-        raise UsageError("--output_file needs --instructions_file: the records to answer")
+    elif not (args.instructions_file or args.held_out):
+        raise UsageError("--output_file needs --instructions_file (or --held_out): the records to answer")
+    elif args.instruction or args.conversations_file:
+        given = "--instruction" if args.instruction else "--conversations_file"
+        raise UsageError(f"--output_file answers the records of one file; {given} would be left out: put its "
+                         "records in the --instructions_file")
     if args.per_device_batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--per_device_batch_size and --max_new_tokens must be 1 or more")
     if not args.do_sample and (args.temperature is not None or args.top_p is not None):
@@ -111,12 +122,13 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from alpaca.constants import CONVERSATION_FIELD
+from alpaca.constants import CONVERSATION_FIELD, HELD_OUT_FILE
 from alpaca.data import check_conversations, read_local_records
 from alpaca.data_source import data_file_loader
 from alpaca.device_map import DeviceMap, local_rank_gpus
@@ -137,18 +149,23 @@ from alpaca.output import ARGS_FILE, load_reft_model, quiet_non_main_rank
 RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_template", "model_max_length")
 
 
+def run_file(directory: str, name: str, fix: str) -> Path:
+    """Find a file a training run wrote, in its output_dir or beside a checkpoint-<step> of it (its parent)."""
+    for candidate in (Path(directory) / name, Path(directory).parent / name):
+        if candidate.is_file():
+            return candidate
+    raise UsageError(f"{directory!r} has no {name}{fix}")
+
+
 def run_settings(directory: str) -> dict:
     """Read the flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
-    path = Path(directory)
-    for candidate in (path / ARGS_FILE, path.parent / ARGS_FILE):
-        if candidate.exists():
-            settings = json.loads(candidate.read_text())
-            missing = [name for name in RUN_SETTINGS if name not in settings]
-            if missing:
-                raise UsageError(f"{str(candidate)!r} records no {', '.join(missing)}: it was not written by this "
-                                 "train.py; train the run again")
-            return settings
-    raise UsageError(f"{directory!r} has no training_args.json; pass an output_dir written by train.py")
+    path = run_file(directory, ARGS_FILE, "; pass an output_dir written by train.py")
+    settings = json.loads(path.read_text())
+    missing = [name for name in RUN_SETTINGS if name not in settings]
+    if missing:
+        raise UsageError(f"{str(path)!r} records no {', '.join(missing)}: it was not written by this train.py; "
+                         "train the run again")
+    return settings
 
 
 def read_conversations(path: str) -> list[list[dict]]:
@@ -170,10 +187,21 @@ def bare_instructions_listed(path: str) -> bool:
     return isinstance(listed, list) and any(isinstance(item, str) for item in listed)
 
 
+def split_reference(messages):
+    """Return a conversation's turns to answer and the answer it holds: its last turn, where that is the assistant's
+    (a conversation as training reads it), else None."""
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+            and messages[-1].get("role") == "assistant":
+        return messages[:-1], messages[-1]
+    return messages, None
+
+
 def read_instructions(path: str) -> list[dict]:
-    """Read the records of --instructions_file, in order, as {instruction, input, dataset}: `instruction` a string or
-    a conversation (its messages). Read as training reads its records (any container --data_path takes); a
-    file of another kind (.txt) holds one instruction a line."""
+    """Read the records of --instructions_file, in order, as {instruction, input, dataset, reference}: `instruction` a
+    string or a conversation (its messages up to the user's last turn); `reference` the answer the record holds (an
+    Alpaca record's output, a conversation's last turn where it is the assistant's), else None. Read as training
+    reads its records (any container and record format --data_path takes); a file of another kind (.txt) holds one
+    instruction a line."""
     if bare_instructions_listed(path):
         records = json.loads(Path(path).read_text(encoding="utf-8"))
     elif not Path(path).is_file() or data_file_loader(path):
@@ -183,27 +211,34 @@ def read_instructions(path: str) -> list[dict]:
             records = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as error:
             raise UsageError(f"cannot read --instructions_file {path!r}: {error}") from None
-    conversations = [record for record in records if isinstance(record, dict) and CONVERSATION_FIELD in record]
-    check_conversations(conversations, f"--instructions_file {path!r}", last_role="user")
+    conversations = [split_reference(record[CONVERSATION_FIELD]) for record in records
+                     if isinstance(record, dict) and CONVERSATION_FIELD in record]
+    source = f"--instructions_file {path!r}"
+    check_conversations([{CONVERSATION_FIELD: turns} for turns, _ in conversations], source, last_role="user")
+    check_conversations([{CONVERSATION_FIELD: [reference]} for _, reference in conversations if reference], source)
     items = []
     for index, record in enumerate(records):
         if isinstance(record, str):
             record = {"instruction": record}
         if isinstance(record, dict) and CONVERSATION_FIELD in record:
-            record = {**record, "instruction": record[CONVERSATION_FIELD], "input": ""}
+            turns, reference = split_reference(record[CONVERSATION_FIELD])
+            record = {**record, "instruction": turns, "input": "", "output": reference and reference["content"]}
         elif not (isinstance(record, dict) and isinstance(record.get("instruction"), str)
-                  and isinstance(record.get("input") or "", str)):
-            raise UsageError(f"record {index} of --instructions_file {path!r} is neither an instruction, a record "
-                             "with a string 'instruction' (and optionally 'input') nor a 'messages' conversation")
+                  and all(isinstance(record.get(field) or "", str) for field in ("input", "output"))):
+            raise UsageError(f"record {index} of {source} is neither an instruction, a record with a string "
+                             "'instruction' (and optionally 'input' and 'output') nor a conversation")
         items.append({"instruction": record["instruction"], "input": record.get("input") or "",
-                      "dataset": record.get("dataset") or Path(path).stem})
+                      "dataset": record.get("dataset") or Path(path).stem, "reference": record.get("output")})
     if not items:
-        raise UsageError(f"--instructions_file {path!r} holds no records")
+        raise UsageError(f"{source} holds no records")
     return items
 
 
 def main(args: argparse.Namespace) -> None:
     try:
+        if args.held_out:
+            args.instructions_file = str(run_file(args.reft_dir, HELD_OUT_FILE,
+                                                  "; train with --eval_split_ratio to hold records out"))
         if args.output_file:
             answer_file_in_process_group(args)
         else:
@@ -272,10 +307,20 @@ def answer_file_in_process_group(args: argparse.Namespace) -> None:
         answer_file(args, device, gpus)
 
 
-# What decides the answers, besides the run and the records: a resumed run must have the same.
-DECODING = ("model_name_or_path", "base", "dtype", "per_device_batch_size", "max_new_tokens", "model_max_length",
+# What decides the answers, besides the interventions, the records and the dtype as resolved: a resumed run must
+# have the same.
+DECODING = ("model_name_or_path", "base", "per_device_batch_size", "max_new_tokens", "model_max_length",
             "repetition_penalty", "no_repeat_ngram_size", "do_sample", "temperature", "top_p", "seed",
             "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+
+
+def interventions_sha256(directory: str) -> str:
+    """Hash the interventions' files in `directory` (config.json, intkey_*.bin): what they are, not where."""
+    digest = hashlib.sha256()
+    for path in sorted([*Path(directory).glob("intkey_*.bin"), Path(directory) / "config.json"]):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -> None:
@@ -291,9 +336,12 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
     args.model_max_length = args.model_max_length or settings["model_max_length"]
     partial = Path(args.output_file + ".partial")
     records = hashlib.sha256(json.dumps(items).encode()).hexdigest()
-    decoding = {name: getattr(args, name) for name in DECODING} | {"reft_dir": str(Path(args.reft_dir).resolve()),
-                                                                     "records_sha256": records}
+    decoding = {name: getattr(args, name) for name in DECODING} | {
+        "dtype": str(resolve_dtype(args.dtype, host)).removeprefix("torch."), "records_sha256": records,
+        "interventions_sha256": interventions_sha256(args.reft_dir)}
     main_rank_result(lambda: prepare_partial(partial, decoding, args.resume), is_main, cpu)
+    # each process appends to OUTPUT.partial/ on its node: rank 0's on a shared filesystem, else its node's own
+    run_checked(lambda: partial.mkdir(parents=True, exist_ok=True), participate=True, device=cpu)
     model, tokenizer, device_map = load_models(args, settings, host, gpus)
     reft_model = load_reft_model(args.reft_dir, model)
     if device_map is not None:
@@ -346,10 +394,12 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
     gathered = [None] * world_size
     dist.all_gather_object(gathered, answered)
     generator = args.generator_name or Path(args.reft_dir).resolve().name + ("-base" if args.base else "")
-    metadata = {**decoding, "base_dtype": str(model.dtype).removeprefix("torch."), "world_size": world_size,
-                "prompts_cut": cut, "generator": generator}
+    metadata = {**decoding, "reft_dir": str(Path(args.reft_dir).resolve()), "world_size": world_size,
+                "base_dtype": str(model.dtype).removeprefix("torch."), "prompts_cut": cut, "generator": generator}
     run_checked(lambda: write_answers(args.output_file, items, [done, *gathered], generator, metadata, partial),
                 participate=is_main, device=cpu)
+    if not is_main:  # rank 0 removed its partial directory; one on a node of its own goes too
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def batch_plan(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -394,8 +444,8 @@ def read_partial(partial: Path) -> dict[int, dict]:
 def write_answers(output_file: str, items: list[dict], parts: list[dict], generator: str, metadata: dict,
                   partial: Path) -> None:
     """Write, on process 0, the answers in input order, each index exactly once, as AlpacaEval reads model outputs (a
-    JSON list of instruction, output, generator, dataset; input where the record has one), written atomically; the
-    metadata and summary beside it (.summary.json); then the partial directory goes."""
+    JSON list of instruction, output, generator, dataset; input and reference where the record has them), written
+    atomically; the metadata and summary beside it (.summary.json); then the partial directory goes."""
     answers = {}
     for part in parts:
         for index, record in part.items():
@@ -410,7 +460,9 @@ def write_answers(output_file: str, items: list[dict], parts: list[dict], genera
         instruction = item["instruction"]
         text = instruction[-1]["content"] if isinstance(instruction, list) else instruction
         rows.append({"instruction": text, **({"input": item["input"]} if item["input"] else {}),
-                     "output": answers[index]["output"], "generator": generator, "dataset": item["dataset"]})
+                     "output": answers[index]["output"],
+                     **({"reference": item["reference"]} if item["reference"] is not None else {}),
+                     "generator": generator, "dataset": item["dataset"]})
     stats = summary([(record["output"], record["tokens"], record["cut"]) for record in answers.values()])
     output = Path(output_file)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,10 @@ from conftest import (
     training_flags,
     with_faked_gpus,
 )
+from datasets import Dataset
 
-from alpaca.data import render_prompt
+from alpaca.constants import HELD_OUT_FILE
+from alpaca.data import canonical_records, load_splits, render_prompt
 from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
 from alpaca.model import build_reft_model, load_base_model
 from alpaca.output import load_reft_model, save_interventions
@@ -114,7 +116,13 @@ def test_generate_with_layers_on_disk_answers_the_one_device_tokens(runs, tiny_t
     (["--device_map", "{model: cpu}"], "--device_map '{model: cpu}' is neither one of auto, balanced"),
     (["--device_map", '{"": "disk"}'], "--device_map puts modules on 'disk': add --offload_folder DIR"),
     (["--resume"], "--resume applies to a file of answers; add --output_file FILE"),
-    (["--output_file", "a.json"], "--output_file needs --instructions_file: the records to answer"),
+    (["--output_file", "a.json"], "--output_file needs --instructions_file (or --held_out): the records to answer"),
+    (["--output_file", "a.json", "--instructions_file", "eval.json", "--instruction", "Hi."],
+     "--output_file answers the records of one file; --instruction would be left out: put its records in the"),
+    (["--output_file", "a.json", "--instructions_file", "eval.json", "--conversations_file", "chats.jsonl"],
+     "--output_file answers the records of one file; --conversations_file would be left out: put its records"),
+    (["--held_out"], "has no held_out.jsonl; train with --eval_split_ratio to hold records out"),
+    (["--held_out", "--instructions_file", "eval.json"], "--held_out and --instructions_file both name the records"),
     (["--output_file", "a.json", "--compare", "b"], "--compare prints two runs side by side; write each run's"),
     (["--temperature", "0.7"], "--temperature and --top_p apply to sampling; add --do_sample"),
     (["--instructions_file", str(REPO / "README.md") + ".json"], "README.md.json' does not exist"),
@@ -215,7 +223,9 @@ def test_generate_writes_answers_to_score(runs, eval_file, tmp_path, monkeypatch
     for row, record in zip(rows, records):
         record = record if isinstance(record, dict) else {}
         fields = {"instruction", "output", "generator", "dataset"} | ({"input"} if record.get("input") else set())
+        fields |= {"reference"} if "output" in record else set()
         assert row.keys() == fields and row["generator"] == "single" and isinstance(row["output"], str)
+        assert row.get("reference") == record.get("output")
         assert row["dataset"] == record.get("dataset", "eval") and row.get("input") == (record.get("input") or None)
     cut = f"Cut 1 prompt(s) to --model_max_length 512 tokens, as training cuts an example: record(s) {len(records) - 1}"
     assert cut in stdout and "IS_ALPACA_EVAL_2=False alpaca_eval --model_outputs" in stdout
@@ -309,3 +319,127 @@ def test_two_processes_killed_and_resumed_write_one_process_s_file(runs, eval_fi
     assert two == one and len(two) == len(records) and not partial.exists()
     kept = json.dumps(one[first["index"]]["output"], ensure_ascii=False)
     assert (tmp_path / "two.json").read_text().replace('"KEPT"', kept) == (tmp_path / "one.json").read_text()
+
+
+# -- answers beside their references: the records a run held out, in the formats training reads -------------------
+def as_on_own_disks(directory) -> list[str]:
+    """A command for `torchrun --no-python` that runs the script after it in `directory`/node-<rank>, as on nodes
+    that share no filesystem: a relative --output_file is each process's own."""
+    return [sys.executable, "-c", "import os, runpy, sys; node = os.path.join(sys.argv[1], 'node-' + os.environ["
+            "'RANK']); os.makedirs(node, exist_ok=True); os.chdir(node); sys.argv = sys.argv[2:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')", str(directory)]
+
+
+def one_and_two_processes(flags: list, output: Path, directory: Path) -> tuple[bytes, bytes]:
+    """The answers file that 1 process (as torchrun runs each) and 2 processes, as on two nodes that share no
+    filesystem (the file is process 0's; no partial directory is left on either), write with `flags`."""
+    answers = ["--per_device_batch_size", "1", "--max_new_tokens", "6", "--dtype", "float32"]
+    with one_thread():
+        status, _, stderr = run_in_process(GENERATE, [*flags, *answers, "--output_file", output])
+    assert status == 0, stderr[-3000:]
+    two = torchrun(2, [*as_on_own_disks(directory), GENERATE, *map(str, flags), *answers, "--output_file",
+                       "answers.json"], extra=["--no-python"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert sorted(path.relative_to(directory).as_posix() for path in directory.rglob("*")) == [
+        "node-0", "node-0/answers.json", "node-0/answers.summary.json", "node-1"]
+    return output.read_bytes(), (directory / "node-0" / "answers.json").read_bytes()
+
+
+def test_held_out_alpaca_records_are_answered_beside_their_references(reference, tiny_data, tmp_path):
+    """The reference runs hold out 15 % of their records (--eval_split_ratio): train.py and train_multigpu.py write
+    those records, as training split them, to held_out.jsonl, and --held_out answers exactly those, each output
+    beside its record's output as `reference`; 1 and 2 processes write the same bytes."""
+    run = reference / "single"
+    _, held_out = load_splits(str(tiny_data), eval_split_ratio=0.15, seed=42)
+    written = [json.loads(line) for line in (run / HELD_OUT_FILE).read_text().splitlines()]
+    assert written == held_out.to_list() and len(written) == 4
+    assert (reference / "ddp" / HELD_OUT_FILE).read_bytes() == (run / HELD_OUT_FILE).read_bytes()
+    one, two = one_and_two_processes(["--reft_dir", run, "--held_out"], tmp_path / "one.json", tmp_path / "two")
+    assert one == two
+    rows = json.loads(one)
+    assert [(row["instruction"], row.get("input", ""), row["reference"]) for row in rows] == [
+        (record["instruction"], record["input"], record["output"]) for record in written]
+    assert {row["dataset"] for row in rows} == {"held_out"} and all(row["output"] for row in rows)
+
+
+def conversations(count: int) -> list[list[dict]]:
+    """`count` conversations of the shipped sample's records, every third of two exchanges (the first answer then
+    a turn of the prompt)."""
+    records = mixed_records()
+    turns = [[{"role": "user", "content": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else "")},
+              {"role": "assistant", "content": r["output"]}] for r in records]
+    return [turns[i] + (turns[i + count] if i % 3 == 0 else []) for i in range(count)]
+
+
+def test_held_out_conversations_are_answered_beside_their_references(tiny_chat_model, tmp_path):
+    """A chat run trained on a ShareGPT file (a system prompt in some records) with --eval_split_ratio writes the
+    conversations it held out as `messages`; --held_out answers each from the turns before its last and writes
+    that assistant turn as `reference`; the same conversations in ShareGPT's format are answered alike, and
+    1 and 2 processes write the same bytes."""
+    roles = {"user": "human", "assistant": "gpt"}
+    sharegpt = [{"conversations": [{"from": roles[turn["role"]], "value": turn["content"]} for turn in turns],
+                 **({"system": "Answer briefly."} if index % 2 else {})}
+                for index, turns in enumerate(conversations(12))]
+    data = tmp_path / "chats.json"
+    data.write_text(json.dumps(sharegpt))
+    run = tmp_path / "chat-run"
+    status, _, stderr = run_in_process("train.py", training_flags(
+        tiny_chat_model, data, run, "--prompt_template", "chat", "--max_steps", "1", "--eval_split_ratio", "0.25",
+        "--num_sample_answers", "0"))
+    assert status == 0, stderr[-3000:]
+    written = [json.loads(line)["messages"] for line in (run / HELD_OUT_FILE).read_text().splitlines()]
+    expected = [canonical_records(Dataset.from_list([record]), "chats")[0]["messages"] for record in sharegpt]
+    assert len(written) == 3 and all(turns in expected for turns in written)
+    assert any(turns[0]["role"] == "system" for turns in written) and any(len(turns) > 3 for turns in written)
+
+    one, two = one_and_two_processes(["--reft_dir", run, "--held_out"], tmp_path / "one.json", tmp_path / "two")
+    assert one == two
+    rows = json.loads(one)
+    assert [(row["instruction"], row["reference"]) for row in rows] == [
+        (turns[-2]["content"], turns[-1]["content"]) for turns in written]
+    held_out_sharegpt = tmp_path / "sharegpt" / "held_out.json"  # the file's name is the answers' `dataset`
+    held_out_sharegpt.parent.mkdir()
+    held_out_sharegpt.write_text(json.dumps([sharegpt[expected.index(turns)] for turns in written]))
+    with one_thread():
+        answer_file(run, held_out_sharegpt, tmp_path / "sharegpt.json", "--per_device_batch_size", "1")
+    assert (tmp_path / "sharegpt.json").read_bytes() == one
+
+
+class Killed(Exception):
+    """A generation stopped after its first batch (its answers appended to the partial directory)."""
+
+
+def test_a_resume_is_bound_to_the_resolved_dtype_and_the_interventions_content(runs, untrained, eval_file, tmp_path,
+                                                                                monkeypatch):
+    """A generation stopped after its first batch with --dtype auto (float32 on a CPU) resumes with --dtype
+    float32, what auto resolved to, into the uninterrupted run's file; it is refused with bfloat16, and with other
+    interventions in the same --reft_dir."""
+    import alpaca.generation
+
+    run = shutil.copytree(runs[0] / "single", tmp_path / "run")
+    path, records = eval_file
+    flags = ["--reft_dir", run, "--instructions_file", path, "--output_file", tmp_path / "answers.json",
+             "--per_device_batch_size", "3", "--max_new_tokens", "6"]
+    generate_batch = alpaca.generation.generate_batch
+
+    def stopped_after_the_first_batch(*args, **kwargs):
+        if (tmp_path / "answers.json.partial" / "rank-0.jsonl").stat().st_size:
+            raise Killed
+        return generate_batch(*args, **kwargs)
+
+    monkeypatch.setattr(alpaca.generation, "generate_batch", stopped_after_the_first_batch)
+    with pytest.raises(Killed):
+        run_in_process(GENERATE, [*flags, "--dtype", "auto"])
+    monkeypatch.setattr(alpaca.generation, "generate_batch", generate_batch)
+    status, _, stderr = run_in_process(GENERATE, [*flags, "--dtype", "bfloat16", "--resume"])
+    assert status == 2 and "was made with other settings (dtype)" in stderr, stderr[-3000:]
+    for name in ["config.json", *(path.name for path in untrained.glob("intkey_*.bin"))]:
+        shutil.copy(untrained / name, run)  # other weights, the same path
+    status, _, stderr = run_in_process(GENERATE, [*flags, "--dtype", "float32", "--resume"])
+    assert status == 2 and "was made with other settings (interventions_sha256)" in stderr, stderr[-3000:]
+    shutil.copytree(runs[0] / "single", run, dirs_exist_ok=True)
+    status, _, stderr = run_in_process(GENERATE, [*flags, "--dtype", "float32", "--resume"])
+    assert status == 0, stderr[-3000:]
+    answer_file(run, path, tmp_path / "uninterrupted.json")
+    rows = json.loads((tmp_path / "answers.json").read_text())
+    assert rows == json.loads((tmp_path / "uninterrupted.json").read_text()) and len(rows) == len(records)
