@@ -38,7 +38,7 @@ from alpaca.layers import decoder_layers
 from alpaca.model import intervention_parameters, load_base_model
 from alpaca.optim import clip_and_step, non_finite
 from alpaca.sharding import load_shards, return_freed_buffers_to_the_os
-from alpaca.workarounds import index_tensors_on, integer_parameters_without_grad
+from alpaca.workarounds import index_tensors_on
 
 NO_STEP = torch.iinfo(torch.int64).max  # no non-finite step yet: above every step, for an all-reduce MIN
 
@@ -281,10 +281,9 @@ def shard_base_model(model, device: torch.device, offload: bool = False) -> None
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and head.weight is not embeddings.weight:
         units = [embeddings, *units, head]
-    with integer_parameters_without_grad():  # a 4-bit base's packed bytes, on torch 2.11
-        for unit in units:
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
     if device.type == "cpu":
         for unit in [model, *units]:
             unit.register_forward_pre_hook(drop_deferred_all_gather)  # after FSDP's, which gathers the unit

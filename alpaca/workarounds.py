@@ -16,7 +16,6 @@ import inspect
 import io
 import logging
 import warnings
-from collections.abc import Iterator
 
 import torch
 from torch.nn.attention import varlen
@@ -37,7 +36,7 @@ with contextlib.redirect_stdout(io.StringIO()):
 # copy; the copy is what we want.
 warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning, module="pyvene")
 
-# torch 2.11's varlen_attn takes no `enable_gqa` (a TypeError at the first step of a grouped-query model); 2.13's does.
+# torch 2.11's varlen_attn takes no `enable_gqa` (a TypeError at the first step of a grouped-query model); 2.12's does.
 VARLEN_TAKES_GROUPED_HEADS = "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
 
 
@@ -169,23 +168,6 @@ def varlen_attention(module, query, key, value, attention_mask, scaling: float |
                                 **grouped)
     return output.unsqueeze(0), None
 
-
-@contextlib.contextmanager
-def integer_parameters_without_grad() -> Iterator[None]:
-    """Let torch 2.11's fully_shard shard integer parameters (a 4-bit base's packed bytes): it wraps each shard in
-    `nn.Parameter(shard)`, whose default requires_grad=True an integer tensor cannot take ("only Tensors of floating
-    point dtype can require gradients"), and sets the parameter's own flag only after; torch 2.12 passes the flag.
-    Meanwhile an integer parameter is made without a gradient, which is what that flag then says."""
-    original = torch.nn.Parameter.__dict__["__new__"]
-
-    def new(cls, data=None, requires_grad=True):
-        return original.__func__(cls, data, requires_grad and (data is None or data.is_floating_point()))
-
-    torch.nn.Parameter.__new__ = staticmethod(new)
-    try:
-        yield
-    finally:
-        torch.nn.Parameter.__new__ = original
 
 def register_layout(model) -> None:
     """Register the model's layout with pyvene. pyvene finds the module of a component ('block_output') in

@@ -5,7 +5,9 @@
     python benchmarks/throughput.py --num_examples 236 --repeats 2      # on a CPU: 30 steps of batch 8
 
 Each variant is a set of flags (VARIANTS) for a process of its own per batch size, so that its peak memory is its
-own; adding one (a packed step, another attention backend) is one more entry:
+own; each row is printed as soon as it is measured (a failed variant as its error's last lines), and --time_budget
+stops starting variants, so a run cut short keeps what it measured. Adding a variant (a packed step, another
+attention backend) is one more entry:
   baseline  uniformly random batches padded to their longest example, the attention mask and full-vocabulary
             logits at every position, collated in the loop, pyvene's own index writes: HF's Trainer with
             pyreft's collator
@@ -25,12 +27,12 @@ an epoch of them per timed window, repeated until a window holds at least --min_
 each variant runs one step of every distinct step shape of that window (each padded width, the partial last
 batch): shape-keyed work (cuDNN plans, compiled graphs, allocator blocks) is never inside a timed window. The
 window is timed --repeats times, with CUDA events on a GPU; the table gives the median and the range of
-non-pad tokens/s. On a GPU (or with --profile) the same window then runs once more under torch.profiler: host
-milliseconds per step, and device milliseconds counted as torch's own table counts them (device events only);
-on a CPU the host's milliseconds are the timed step's. MFU is training FLOP/s over
-the device's peak (GPU_PEAK_FLOPS or --peak_flops; on a CPU, over its measured dense matmul rate), counted
-two ways: 4 x parameters per non-pad token (the usual rule, which peers quote), and exactly what ReFT needs
-(`reft_flops`). --nproc N also runs train_multigpu.py on 1 and N processes and prints the scaling efficiency.
+non-pad tokens/s. On a GPU (or with --profile) the same window then runs once more, 6 of its steps under
+torch.profiler: host milliseconds per step, and device milliseconds counted as torch's own table counts them (device
+events only); on a CPU the host's milliseconds are the timed step's. MFU is training FLOP/s over the device's peak
+(GPU_PEAK_FLOPS or --peak_flops; on a CPU, over its measured dense matmul rate), counted two ways: 4 x parameters
+per non-pad token (the usual rule, which peers quote), and exactly what ReFT needs (`reft_flops`). --nproc N also
+runs train_multigpu.py on 1 and N processes and prints the scaling efficiency.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ VARIANTS = {"baseline": ["--baseline"], "eager": [], "compiled": ["--torch_compi
             "flash": ["--packing", "--attn_implementation", "flash_attention_2"]}
 DEFAULT_VARIANTS = {"cuda": ["baseline", "eager", "compiled", "packed", "varlen"], "cpu": ["baseline", "eager"]}
 MIN_TIMED_STEPS = 30
+PROFILED_STEPS = 6
 
 
 def parse_args() -> argparse.Namespace:
@@ -284,7 +287,8 @@ def run_variant(args: argparse.Namespace) -> dict:
 
 
 def profile_steps(args: argparse.Namespace, train_step, window, steps: int, device) -> tuple[float, float | None]:
-    """Host and device milliseconds per step over the timed window once more, under torch.profiler. Host: wall
+    """Host and device milliseconds per step over the timed window once more, PROFILED_STEPS of its steps, spread
+    over it, each under torch.profiler (reading a whole window's events back took minutes on an H200). Host: wall
     time of the step on the CPU (issuing work, Python, and any wait for the device); device: the device events'
     own time, summed as torch's table sums it (a kernel's time is also on its CPU op's row: not counted twice)."""
     import torch
@@ -292,25 +296,30 @@ def profile_steps(args: argparse.Namespace, train_step, window, steps: int, devi
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
-        for micro_batches in window():
+    every = max(1, steps // PROFILED_STEPS)
+    host_us = device_us = 0.0
+    for number, micro_batches in enumerate(window()):
+        if number % every:
+            train_step(micro_batches)
+            continue
+        with profile(activities=activities) as profiler:
             with record_function("train_step"):
                 train_step(micro_batches)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    averages = profiler.key_averages()
-    host_ms = next(event.cpu_time_total for event in averages if event.key == "train_step") / 1e3 / steps
-    device_ms = (sum(event.self_device_time_total for event in averages
-                     if event.device_type == DeviceType.CUDA and not event.is_user_annotation) / 1e3 / steps
-                 if device.type == "cuda" else None)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        averages = profiler.key_averages()
+        host_us += next(event.cpu_time_total for event in averages if event.key == "train_step")
+        device_us += sum(event.self_device_time_total for event in averages
+                         if event.device_type == DeviceType.CUDA and not event.is_user_annotation)
+    recorded = -(-steps // every)
     if args.profile:
-        print(f"--- {args.variant}, batch {args.per_device_train_batch_size}: {steps} steps, top operators "
+        print(f"--- {args.variant}, batch {args.per_device_train_batch_size}: the last recorded step's top operators "
               "by self CPU time", file=sys.stderr)
         print(averages.table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
         if device.type == "cuda":
             print(f"--- {args.variant}: top operators by self device time", file=sys.stderr)
             print(averages.table(sort_by="self_device_time_total", row_limit=12), file=sys.stderr)
-    return host_ms, device_ms
+    return host_us / 1e3 / recorded, device_us / 1e3 / recorded if device.type == "cuda" else None
 
 
 def baseline_summed_loss(reft_model, batch: dict, device):

@@ -261,3 +261,20 @@ def test_a_torch_older_than_the_tested_range_is_refused_before_any_weight_loads(
         assert (output_dir / "notes.txt").read_text() == SENTINEL
         monkeypatch.setattr(alpaca.versions, "version", lambda package: "2.11.0+cu130")
         assert run_in_process(script, flags)[0] == 0
+
+
+def test_fsdp_on_a_4bit_base_is_refused_on_torch_2_11(tiny_model, tmp_path, output_dir, monkeypatch):
+    """torch 2.11's FSDP2 makes a 4-bit base's packed bytes parameters that require a gradient (a RuntimeError) and,
+    on a GPU, casts them to bf16 (a silently wrong forward, seen on an H200): --fsdp --load_in_4bit is one line there,
+    before anything loads (the version faked where the check reads it); tests/test_quantized.py trains it on 2.13."""
+    import alpaca.versions
+
+    monkeypatch.setattr(alpaca.versions, "version", lambda package: "2.11.0+cu130")
+    flags = training_flags(tiny_model, write_records(tmp_path / "ok.json", 5), output_dir, "--max_steps", "1",
+                           "--num_sample_answers", "0", "--fsdp", "--load_in_4bit")
+    status, stdout, stderr = run_in_process("train_multigpu.py", flags)
+    assert status == 2 and stderr.strip().splitlines() == [
+        "train_multigpu.py: error: --fsdp --load_in_4bit needs torch 2.12 or newer (torch 2.11.0+cu130's FSDP2 handles "
+        "the packed 4-bit bytes as floating-point weights); pip install 'torch>=2.12', or drop --fsdp: DDP holds the "
+        "whole 4-bit base on each GPU"], stderr[-2000:]
+    assert sorted(p.name for p in output_dir.iterdir()) == ["notes.txt"]

@@ -281,19 +281,3 @@ def test_a_forward_without_gradient_leaves_the_4bit_layers_differentiable(tiny_m
         reft_model({"input_ids": ids}, unit_locations=locations)
     assert all(torch.equal(a, b) for a, b in zip(gradients(), before, strict=True)) and before
 
-
-def test_a_packed_4bit_shard_becomes_a_parameter_as_torch_2_11_makes_it():
-    """torch 2.11's fully_shard wraps each shard as `nn.Parameter(shard)`, whose default requires_grad=True an
-    integer tensor (a 4-bit base's packed bytes) cannot take: inside `integer_parameters_without_grad` it can, with
-    no gradient, floating-point parameters are unchanged, and outside it torch's own constructor is back."""
-    from alpaca.workarounds import integer_parameters_without_grad
-
-    packed = torch.zeros(4, 1, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="floating point"):
-        torch.nn.Parameter(packed)
-    with integer_parameters_without_grad():
-        shard = torch.nn.Parameter(packed)
-        assert not shard.requires_grad and shard.data_ptr() == packed.data_ptr()
-        assert torch.nn.Parameter(torch.zeros(2)).requires_grad
-    with pytest.raises(RuntimeError, match="floating point"):
-        torch.nn.Parameter(packed)
