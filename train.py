@@ -111,40 +111,33 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     """Load the data and the model, train, and write the output."""
     world_size = 1  # one process
     stop = StopSignal()  # SIGTERM (preemption, forwarded by torchrun) or SIGINT: checkpoint, exit
-    position = parse_position(args.position)
     strategy = choose_strategy(args, device, dtype, gpus)  # how the model is placed and stepped
     # an earlier run is refused before anything loads
     resume_from, finished = prepare_output_dir(args)
-    if finished is not None:  # --resume_from_checkpoint auto where this run finished: a requeue,
-        # decided from the data, the model's files and the flags before the base model loads
+    if finished is not None:  # a requeue of a finished run, decided before the base model loads
         print(check_finished(finished, args, world_size, dtype))
         return
 
     # -- data and model ------------------------------------------------------------------------
-    loaded = load_data_and_model(args, strategy, dtype, position, device)
-    reft_model, dataset, eval_dataset = loaded.reft_model, loaded.dataset, loaded.eval_dataset
+    loaded = load_data_and_model(args, strategy, dtype, device)
+    reft_model, dataset = loaded.reft_model, loaded.dataset
 
     # -- optimization: global batch = per_device x world_size x accumulation -------------------
     schedule = StepSchedule.from_args(args, len(dataset), world_size)
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
-    start = TrainingStart()  # a new run; a resumed one goes on where its checkpoint left off
-    if resume_from is not None:
-        saved = load_checkpoint(resume_from)
-        start = restore_training_state(saved, args, reft_model, scheduler, gpus,
-                                       world_size=world_size, num_examples=len(dataset),
-                                       fingerprint=loaded.fingerprint)
     summary = describe(reft_model, len(dataset), strategy.placed if strategy.device_map else device)
-    train_model = strategy.wrap(reft_model, optimizer, scheduler, start.optimizer_state)
+    start, train_model = training_start(args, loaded, strategy, optimizer, scheduler, gpus=gpus,
+                                        resume_from=resume_from)
     resolved = dict(world_size=world_size, global_batch_size=schedule.global_batch_size,
                     total_steps=schedule.total_steps)
     ready_s = time.perf_counter() - started
-    print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset), resume_from,
-                     start.step, ready_s))
+    print(start_line(summary, schedule, args, eval_size=len(loaded.eval_dataset or []),
+                     resume_from=resume_from, step=start.step, ready_s=ready_s))
     metrics = MetricsLog(args.output_dir, args, resume_step=start.step,
                          wandb_run_id=start.wandb_run_id, held_out=loaded.held_out,
                          **resolved)
     window = LogWindow(device, start.window)
-    step = start.step
+    step, epoch, eval_time = start.step, start.epoch, 0.0
 
     def checkpoint(epoch: int, next_batch: int) -> Path:
         """Save the state after `step` optimizer steps, to go on at (epoch, next_batch) of the
@@ -161,27 +154,10 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
         return save_checkpoint(args.output_dir, step, reft_model, trainer_state,
                                args.save_total_limit)
 
-    # -- data: one DataLoader item per optimizer step, its global batch's micro-batches ---------
-    lengths = np.array(dataset["length"])
-    sampler = DistributedGlobalBatchSampler(
-        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
-        seed=args.seed, lengths=lengths if args.group_by_length else None,
-        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
-    loader = DataLoader(
-        dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
-        collate_fn=StepCollator(loaded.collate, args.per_device_train_batch_size,
-                                args.packing_max_tokens),
-        # --dataloader_num_workers collate the steps ahead of the loop; why these settings:
-        # docs/performance.md#dataloader-workers
-        num_workers=args.dataloader_num_workers, persistent_workers=False,
-        worker_init_fn=dataloader_worker_init, generator=torch.Generator())
-    eval_order = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
-                  if eval_dataset else [])
-
     # -- train ---------------------------------------------------------------------------------
+    sampler, loader = training_loader(args, loaded, device)
     progress = tqdm(total=schedule.total_steps, initial=step, desc="training",
                     dynamic_ncols=True)
-    epoch, eval_time = start.epoch, 0.0
     train_start = window_start = time.perf_counter()
     while step < schedule.total_steps:
         sampler.set_epoch(epoch)  # a new order each epoch, as with DistributedSampler
@@ -202,20 +178,18 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
                 logged = window.totals()
                 now = time.perf_counter()
                 metrics.write(train_record(step, schedule.steps_per_epoch, LogWindow.named(logged),
-                                           learning_rate, float(grad_norm), now - window_start,
-                                           now - train_start), progress)
+                                           learning_rate=learning_rate, grad_norm=float(grad_norm),
+                                           window_seconds=now - window_start,
+                                           elapsed_s=now - train_start), progress)
                 # the host has read the step: if one was not finite, stop before anything is saved
                 exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
                 window.reset()
                 window_start = time.perf_counter()
             if schedule.should_evaluate(step, end_of_epoch):
-                eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_order, loaded.collate, device)
-                seconds = time.perf_counter() - eval_start
-                metrics.write(eval_record(step, schedule.steps_per_epoch, totals.tolist(),
-                                          len(eval_dataset), seconds), progress)
-                window_start += seconds  # tokens/s counts training time only
-                eval_time += seconds
+                evaluated = evaluation_record(loaded, strategy, step, schedule.steps_per_epoch)
+                metrics.write(evaluated, progress)
+                window_start += evaluated["eval_s"]  # tokens/s counts training time only
+                eval_time += evaluated["eval_s"]
             if schedule.should_save(step, end_of_epoch, args.save_strategy):
                 checkpoint(epoch, next_batch=index + 1)
             if step == schedule.total_steps:
@@ -225,13 +199,11 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     train_time = time.perf_counter() - train_start - eval_time
 
     # -- output: the interventions, arguments, metrics and the last lines ------------------------
-    exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
     throughput = f"{window.tokens_seen / train_time:.0f} tokens/s, peak memory {peak_memory(gpus)}"
     trained = f"Trained to step {step} in {train_time:.0f}s ({throughput})"
-    answers = (sample_answers(reft_model, loaded.tokenizer, args, position, loaded.num_layers)
-               if args.num_sample_answers > 0 else None)
     record = finished_record(step, args, world_size, len(dataset), loaded.fingerprint)
-    save_and_report(args, reft_model, metrics, record, trained, answers)
+    finish_run(args, loaded, strategy, metrics, progress, resume_from, record=record,
+               trained=trained)
     print(f"Done in {time.perf_counter() - started:.0f}s.")
 
 
@@ -253,17 +225,6 @@ def backward_step(strategy, train_model, micro_batches: list[dict], step_label_t
         window.add(summed_loss, batch)
 
 
-def save_and_report(args: argparse.Namespace, reft_model, metrics: MetricsLog, finished: dict,
-                    trained: str, answers: str | None) -> None:
-    """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
-    the record that the run `finished` (alpaca.resume.finished_record); then say so."""
-    save_output(reft_model, metrics, args.output_dir, finished)
-    print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
-          f"and loss.png in {args.output_dir}/")
-    if answers:
-        print(answers)
-
-
 @dataclass
 class DataAndModel:
     """What load_data_and_model returns: the data, the ReFT model and what both are read with."""
@@ -272,6 +233,8 @@ class DataAndModel:
     reft_model: torch.nn.Module  # pyreft's ReftModel around the base
     dataset: Dataset  # tokenized
     eval_dataset: Dataset | None
+    eval_order: list[list[int]]  # the evaluation batches (alpaca.sampler.eval_batches)
+    position: tuple[int, int]  # the intervened positions (alpaca.flag_values.parse_position)
     num_layers: int  # intervened layers (alpaca.model.num_intervened_layers)
     collate: Collator
     fingerprint: dict  # what its checkpoints are bound to (alpaca.resume.training_fingerprint)
@@ -279,7 +242,7 @@ class DataAndModel:
 
 
 def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
-                        position: tuple[int, int], device: torch.device) -> DataAndModel:
+                        device: torch.device) -> DataAndModel:
     """Load the data and build the ReFT model, checking what can be checked before the weights
     load."""
     records, eval_records = load_training_splits(args)
@@ -291,6 +254,7 @@ def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
         enable_gradient_checkpointing(model)
     if args.torch_compile:
         compile_decoder_layers(model)
+    position = parse_position(args.position)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights,
                                   low_rank_dimension=args.rank, dropout=args.dropout,
@@ -300,9 +264,81 @@ def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
                        args.pad_to_multiple_of)
     # what its checkpoints are bound to
     fingerprint = training_fingerprint(args, records, model_path, dtype)
-    held_out = eval_records if args.eval_split_ratio is not None else None
-    return DataAndModel(tokenizer, reft_model, dataset, eval_dataset, num_layers, collate,
-                        fingerprint, held_out=held_out)
+    eval_order = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
+                  if eval_dataset else [])
+    return DataAndModel(
+        tokenizer=tokenizer, reft_model=reft_model, dataset=dataset, eval_dataset=eval_dataset,
+        eval_order=eval_order, position=position, num_layers=num_layers, collate=collate,
+        fingerprint=fingerprint,
+        held_out=eval_records if args.eval_split_ratio is not None else None)
+
+
+def training_start(args: argparse.Namespace, loaded: DataAndModel, strategy, optimizer,
+                   scheduler, *, gpus: list[int],
+                   resume_from: Path | None) -> tuple[TrainingStart, torch.nn.Module]:
+    """Place the ReFT model for training (strategy.wrap) and say where training starts: a new run at
+    its first step; a resumed one where its checkpoint left off, the checkpoint's state loaded into
+    the interventions, the optimizer, the schedule and the random generators of `gpus`."""
+    start = TrainingStart()
+    if resume_from is not None:
+        saved = load_checkpoint(resume_from)
+        start = restore_training_state(saved, args, loaded.reft_model, scheduler, gpus,
+                                       num_examples=len(loaded.dataset),
+                                       fingerprint=loaded.fingerprint)
+    return start, strategy.wrap(loaded.reft_model, optimizer, scheduler, start.optimizer_state)
+
+
+def training_loader(args: argparse.Namespace, loaded: DataAndModel,
+                    device: torch.device) -> tuple[DistributedGlobalBatchSampler, DataLoader]:
+    """Build the global batch plan and its DataLoader: one item per optimizer step, that step's
+    micro-batches."""
+    lengths = np.array(loaded.dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(loaded.dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+        seed=args.seed, lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    loader = DataLoader(
+        loaded.dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+        collate_fn=StepCollator(loaded.collate, args.per_device_train_batch_size,
+                                args.packing_max_tokens),
+        # --dataloader_num_workers collate the steps ahead of the loop; why these settings:
+        # docs/performance.md#dataloader-workers
+        num_workers=args.dataloader_num_workers, persistent_workers=False,
+        worker_init_fn=dataloader_worker_init, generator=torch.Generator())
+    return sampler, loader
+
+
+def evaluation_record(loaded: DataAndModel, strategy, step: int, steps_per_epoch: int) -> dict:
+    """Compute the eval loss over the whole evaluation set; return its log record, whose `eval_s`
+    is the time it took."""
+    eval_start = time.perf_counter()
+    totals = evaluate(loaded.reft_model, loaded.eval_dataset, loaded.eval_order, loaded.collate,
+                      strategy.device)
+    return eval_record(step, steps_per_epoch, totals.tolist(), len(loaded.eval_dataset),
+                       time.perf_counter() - eval_start)
+
+
+def finish_run(args: argparse.Namespace, loaded: DataAndModel, strategy, metrics: MetricsLog,
+               progress, resume_from: Path | None, *, record: dict, trained: str) -> None:
+    """End the run: stop if a step was not finite (alpaca.divergence); else sample answers, write
+    the output, with `record` (alpaca.resume.finished_record), and say so."""
+    exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
+    answers = (sample_answers(loaded.reft_model, loaded.tokenizer, args, loaded.position,
+                              loaded.num_layers)
+               if args.num_sample_answers > 0
+               else None)
+    save_and_report(args, loaded, metrics, record, trained, answers)
+
+
+def save_and_report(args: argparse.Namespace, loaded: DataAndModel, metrics: MetricsLog,
+                    finished: dict, trained: str, answers: str | None) -> None:
+    """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
+    the record that the run `finished` (alpaca.resume.finished_record); then say so."""
+    save_output(loaded.reft_model, metrics, args.output_dir, finished)
+    print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
+          f"and loss.png in {args.output_dir}/")
+    if answers:
+        print(answers)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ if __name__ == "__main__":  # --help and usage errors answer here, before the he
     ARGS = parse_args(PROG, multigpu=True)
 
 import datetime
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +44,9 @@ from alpaca.collate import Collator, StepCollator, give_step_counts, step_counts
 from alpaca.data import load_training_splits, tokenize_splits
 from alpaca.device_map import local_rank_gpus
 from alpaca.distributed import (
-    ending_process_group,
     first_on_local_main,
     gather_rank_report,
+    let_go_of_process_group,
     main_rank_result,
     run_checked,
 )
@@ -103,8 +104,14 @@ def main(args: argparse.Namespace) -> None:
         backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
                                 device_id=device if device.type == "cuda" else None)
-        with ending_process_group():  # destroyed however training ends
+        try:
+            if dist.get_rank() != 0:  # other ranks print errors only
+                quiet_non_main_rank()
             train(args, device, dtype, gpus, started)
+        finally:  # however training ends: what holds the group lets go of it, then it is destroyed
+            let_go_of_process_group()
+            dist.destroy_process_group()
+            gc.collect()  # FSDP's sharded modules, collectable once the group is gone
     except UsageError as error:
         exit_on_usage_error(PROG, error)
 
@@ -124,49 +131,39 @@ def choose_device(args: argparse.Namespace) -> tuple[torch.device, list[int]]:
 def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gpus: list[int],
           started: float) -> None:
     """Load the data and the model, train, and write the output."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    is_main = rank == 0
-    if not is_main:  # other ranks print errors only
-        quiet_non_main_rank()
+    world_size, is_main = dist.get_world_size(), dist.get_rank() == 0
     stop = StopSignal()  # SIGTERM (preemption, forwarded by torchrun) or SIGINT: checkpoint, exit
-    position = parse_position(args.position)
     strategy = choose_strategy(args, device, dtype, gpus)  # how the model is placed and stepped
     # an earlier run is refused before anything loads; rank 0 owns the output directory
-    resume_from, finished = main_rank_result(lambda: prepare_output_dir(args), is_main, device)
-    if finished is not None:  # --resume_from_checkpoint auto where this run finished: a requeue,
-        # decided from the data, the model's files and the flags before the base model loads
-        print(main_rank_result(lambda: check_finished(finished, args, world_size, dtype), is_main,
-                               device))
+    resume_from, finished = main_rank_result(lambda: prepare_output_dir(args), device)
+    if finished is not None:  # a requeue of a finished run, decided before the base model loads
+        print(main_rank_result(lambda: check_finished(finished, args, world_size, dtype), device))
         return
 
     # -- data and model ------------------------------------------------------------------------
-    loaded = load_data_and_model(args, strategy, dtype, position, device)
-    reft_model, dataset, eval_dataset = loaded.reft_model, loaded.dataset, loaded.eval_dataset
+    loaded = load_data_and_model(args, strategy, dtype, device)
+    reft_model, dataset = loaded.reft_model, loaded.dataset
 
     # -- optimization: global batch = per_device x world_size x accumulation -------------------
     schedule = StepSchedule.from_args(args, len(dataset), world_size)
     optimizer, scheduler = build_optimizer(reft_model, args, schedule)
-    start = TrainingStart()  # a new run; a resumed one goes on where its checkpoint left off
-    if resume_from is not None:
-        saved = main_rank_result(lambda: load_checkpoint(resume_from), is_main, device)
-        start = restore_training_state(saved, args, reft_model, scheduler, gpus, rank=rank,
-                                       world_size=world_size, num_examples=len(dataset),
-                                       fingerprint=loaded.fingerprint)
     summary = describe(reft_model, len(dataset), device)  # on rank 0; each rank's: `placement`
-    train_model = strategy.wrap(reft_model, optimizer, scheduler, start.optimizer_state)
+    start, train_model = training_start(args, loaded, strategy, optimizer, scheduler, gpus=gpus,
+                                        resume_from=resume_from)
     base_bytes = local_parameter_bytes(reft_model.model)  # the base parameters this rank holds
     resolved = dict(world_size=world_size, global_batch_size=schedule.global_batch_size,
                     total_steps=schedule.total_steps, base_parameter_bytes_per_rank=base_bytes)
     placement = (f" | {dist.get_backend()} | base model {strategy.layout}: "
                  f"{base_bytes / 2**20:.1f} MiB of parameters on rank 0")
     ready_s = time.perf_counter() - started
-    print(start_line(summary, schedule, args, eval_dataset and len(eval_dataset), resume_from,
-                     start.step, ready_s, world_size, placement), flush=True)  # rank 0's stdout
+    print(start_line(summary, schedule, args, eval_size=len(loaded.eval_dataset or []),
+                     resume_from=resume_from, step=start.step, ready_s=ready_s,
+                     processes=world_size, placement=placement), flush=True)  # rank 0's stdout
     metrics = MetricsLog(args.output_dir, args, resume_step=start.step,
                          wandb_run_id=start.wandb_run_id, held_out=loaded.held_out,
                          disable=not is_main, **resolved)
     window = LogWindow(device, start.window)
-    step = start.step
+    step, epoch, eval_time = start.step, start.epoch, 0.0
 
     def checkpoint(epoch: int, next_batch: int) -> Path:
         """Save the state after `step` optimizer steps, to go on at (epoch, next_batch) of the
@@ -183,35 +180,16 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
             prompt_template=args.prompt_template,
             wandb_run_id=metrics.wandb_run_id, fingerprint=loaded.fingerprint)
         with strategy.gathered():  # ZeRO-3: the interventions whole, for rank 0 to write
-            return main_rank_result(lambda: save_checkpoint(args.output_dir, step, reft_model,
-                                                            trainer_state, args.save_total_limit),
-                                    is_main, device)
-
-    # -- data: one DataLoader item per optimizer step, its global batch's micro-batches ---------
-    lengths = np.array(dataset["length"])
-    sampler = DistributedGlobalBatchSampler(
-        len(dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
-        num_replicas=world_size, rank=rank,  # this rank's share of each global batch
-        seed=args.seed, lengths=lengths if args.group_by_length else None,
-        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
-    loader = DataLoader(
-        dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
-        collate_fn=StepCollator(loaded.collate, args.per_device_train_batch_size,
-                                args.packing_max_tokens),
-        # --dataloader_num_workers collate the steps ahead of the loop; why these settings:
-        # docs/performance.md#dataloader-workers
-        num_workers=args.dataloader_num_workers, persistent_workers=False,
-        worker_init_fn=dataloader_worker_init, generator=torch.Generator())
-    placeholder = loaded.collate([dataset[0]])  # zero-weight, where a rank's share falls short
-    eval_order = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
-                  if eval_dataset else [])
+            return main_rank_result(lambda: save_checkpoint(
+                args.output_dir, step, reft_model, trainer_state, args.save_total_limit), device)
 
     # -- train ---------------------------------------------------------------------------------
+    sampler, loader = training_loader(args, loaded, device)
+    placeholder = loaded.collate([dataset[0]])  # zero-weight, where a rank's share falls short
     # The per-step agreement travels as a CPU tensor over gloo: the host never waits for the device.
     host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     progress = tqdm(total=schedule.total_steps, initial=step, desc="training",
                     dynamic_ncols=True, disable=not is_main)
-    epoch, eval_time = start.epoch, 0.0
     dist.barrier()  # rank 0 may have spent a while starting wandb: every rank's clock starts now
     train_start = window_start = time.perf_counter()
     while step < schedule.total_steps:
@@ -238,22 +216,18 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
                 dist.all_reduce(logged)  # the global loss and throughput, not rank 0's
                 now = time.perf_counter()
                 metrics.write(train_record(step, schedule.steps_per_epoch, LogWindow.named(logged),
-                                           learning_rate, float(grad_norm), now - window_start,
-                                           now - train_start), progress)
+                                           learning_rate=learning_rate, grad_norm=float(grad_norm),
+                                           window_seconds=now - window_start,
+                                           elapsed_s=now - train_start), progress)
                 # the host has read the step: if one was not finite, stop before anything is saved
                 exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
                 window.reset()
                 window_start = time.perf_counter()
             if schedule.should_evaluate(step, end_of_epoch):
-                eval_start = time.perf_counter()
-                totals = evaluate(reft_model, eval_dataset, eval_order, loaded.collate, device,
-                                  rank, world_size, strategy.shards_base)
-                dist.all_reduce(totals)  # each eval example once, weighted by its label tokens
-                seconds = time.perf_counter() - eval_start
-                metrics.write(eval_record(step, schedule.steps_per_epoch, totals.tolist(),
-                                          len(eval_dataset), seconds), progress)
-                window_start += seconds  # tokens/s counts training time only
-                eval_time += seconds
+                evaluated = evaluation_record(loaded, strategy, step, schedule.steps_per_epoch)
+                metrics.write(evaluated, progress)
+                window_start += evaluated["eval_s"]  # tokens/s counts training time only
+                eval_time += evaluated["eval_s"]
             if schedule.should_save(step, end_of_epoch, args.save_strategy):
                 checkpoint(epoch, next_batch=index + 1)
             if step == schedule.total_steps:
@@ -263,16 +237,11 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     train_time = time.perf_counter() - train_start - eval_time
 
     # -- output: the interventions, arguments, metrics and the last lines ------------------------
-    exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
     throughput = gather_rank_report(window.tokens_seen / train_time, base_bytes, device)
     trained = f"Trained to step {step} in {train_time:.0f}s on {world_size} processes: {throughput}"
-    answers = (sample_answers(reft_model, loaded.tokenizer, args, position, loaded.num_layers,
-                              synced_ranks=strategy.shards_base)  # sharded: every rank answers
-               if args.num_sample_answers > 0 and (is_main or strategy.shards_base) else None)
     record = finished_record(step, args, world_size, len(dataset), loaded.fingerprint)
-    with strategy.gathered():  # rank 0 writes; if that fails, every rank exits instead of hanging
-        run_checked(lambda: save_and_report(args, reft_model, metrics, record, trained, answers),
-                    participate=is_main, device=device)
+    finish_run(args, loaded, strategy, metrics, progress, resume_from, record=record,
+               trained=trained)
     print(f"Done in {time.perf_counter() - started:.0f}s.")
 
 
@@ -304,17 +273,6 @@ def backward_step(strategy, train_model, micro_batches: list[dict | None], step_
             window.add(summed_loss, batch)
 
 
-def save_and_report(args: argparse.Namespace, reft_model, metrics: MetricsLog, finished: dict,
-                    trained: str, answers: str | None) -> None:
-    """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
-    the record that the run `finished` (alpaca.resume.finished_record); then say so."""
-    save_output(reft_model, metrics, args.output_dir, finished)
-    print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
-          f"and loss.png in {args.output_dir}/")
-    if answers:
-        print(answers)
-
-
 @dataclass
 class DataAndModel:
     """What load_data_and_model returns: the data, the ReFT model and what both are read with."""
@@ -323,6 +281,8 @@ class DataAndModel:
     reft_model: torch.nn.Module  # pyreft's ReftModel around the base
     dataset: Dataset  # tokenized
     eval_dataset: Dataset | None
+    eval_order: list[list[int]]  # the evaluation batches (alpaca.sampler.eval_batches)
+    position: tuple[int, int]  # the intervened positions (alpaca.flag_values.parse_position)
     num_layers: int  # intervened layers (alpaca.model.num_intervened_layers)
     collate: Collator
     fingerprint: dict  # what its checkpoints are bound to (alpaca.resume.training_fingerprint)
@@ -330,7 +290,7 @@ class DataAndModel:
 
 
 def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
-                        position: tuple[int, int], device: torch.device) -> DataAndModel:
+                        device: torch.device) -> DataAndModel:
     """Load the data and build the ReFT model, checking what can be checked before the weights
     load."""
     records, eval_records = run_checked(lambda: load_training_splits(args), device)  # or all stop
@@ -344,6 +304,7 @@ def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
         enable_gradient_checkpointing(model)
     if args.torch_compile:
         compile_decoder_layers(model)
+    position = parse_position(args.position)
     torch.manual_seed(args.seed)  # the interventions' initial weights depend on the seed only
     reft_model = build_reft_model(model, args.layers, position, args.share_weights,
                                   low_rank_dimension=args.rank, dropout=args.dropout,
@@ -354,9 +315,87 @@ def load_data_and_model(args: argparse.Namespace, strategy, dtype: torch.dtype,
                        args.pad_to_multiple_of)
     # what its checkpoints are bound to
     fingerprint = training_fingerprint(args, records, model_path, dtype)
-    held_out = eval_records if args.eval_split_ratio is not None else None
-    return DataAndModel(tokenizer, reft_model, dataset, eval_dataset, num_layers, collate,
-                        fingerprint, held_out=held_out)
+    eval_order = (eval_batches(np.array(eval_dataset["length"]), args.per_device_eval_batch_size)
+                  if eval_dataset else [])
+    return DataAndModel(
+        tokenizer=tokenizer, reft_model=reft_model, dataset=dataset, eval_dataset=eval_dataset,
+        eval_order=eval_order, position=position, num_layers=num_layers, collate=collate,
+        fingerprint=fingerprint,
+        held_out=eval_records if args.eval_split_ratio is not None else None)
+
+
+def training_start(args: argparse.Namespace, loaded: DataAndModel, strategy, optimizer,
+                   scheduler, *, gpus: list[int],
+                   resume_from: Path | None) -> tuple[TrainingStart, torch.nn.Module]:
+    """Place the ReFT model for training (strategy.wrap) and say where training starts: a new run at
+    its first step; a resumed one where its checkpoint left off, the checkpoint's state loaded into
+    the interventions, the optimizer, the schedule and the random generators of `gpus`."""
+    start = TrainingStart()
+    if resume_from is not None:
+        saved = main_rank_result(lambda: load_checkpoint(resume_from), strategy.device)
+        start = restore_training_state(saved, args, loaded.reft_model, scheduler, gpus,
+                                       rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                       num_examples=len(loaded.dataset),
+                                       fingerprint=loaded.fingerprint)
+    return start, strategy.wrap(loaded.reft_model, optimizer, scheduler, start.optimizer_state)
+
+
+def training_loader(args: argparse.Namespace, loaded: DataAndModel,
+                    device: torch.device) -> tuple[DistributedGlobalBatchSampler, DataLoader]:
+    """Build the global batch plan and its DataLoader: one item per optimizer step, that step's
+    micro-batches."""
+    lengths = np.array(loaded.dataset["length"])
+    sampler = DistributedGlobalBatchSampler(
+        len(loaded.dataset), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+        num_replicas=dist.get_world_size(), rank=dist.get_rank(),  # this rank's share of a step
+        seed=args.seed, lengths=lengths if args.group_by_length else None,
+        packing=(lengths, args.packing_max_tokens) if args.packing_max_tokens else None)
+    loader = DataLoader(
+        loaded.dataset, batch_sampler=sampler, pin_memory=device.type == "cuda",
+        collate_fn=StepCollator(loaded.collate, args.per_device_train_batch_size,
+                                args.packing_max_tokens),
+        # --dataloader_num_workers collate the steps ahead of the loop; why these settings:
+        # docs/performance.md#dataloader-workers
+        num_workers=args.dataloader_num_workers, persistent_workers=False,
+        worker_init_fn=dataloader_worker_init, generator=torch.Generator())
+    return sampler, loader
+
+
+def evaluation_record(loaded: DataAndModel, strategy, step: int, steps_per_epoch: int) -> dict:
+    """Compute the eval loss over the whole evaluation set; return its log record, whose `eval_s`
+    is the time it took."""
+    eval_start = time.perf_counter()
+    totals = evaluate(loaded.reft_model, loaded.eval_dataset, loaded.eval_order, loaded.collate,
+                      strategy.device, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                      sharded_base=strategy.shards_base)
+    dist.all_reduce(totals)  # each eval example once, weighted by its label tokens
+    return eval_record(step, steps_per_epoch, totals.tolist(), len(loaded.eval_dataset),
+                       time.perf_counter() - eval_start)
+
+
+def finish_run(args: argparse.Namespace, loaded: DataAndModel, strategy, metrics: MetricsLog,
+               progress, resume_from: Path | None, *, record: dict, trained: str) -> None:
+    """End the run: stop if a step was not finite (alpaca.divergence); else sample answers, write
+    the output, with `record` (alpaca.resume.finished_record), and say so."""
+    exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
+    answers = (sample_answers(loaded.reft_model, loaded.tokenizer, args, loaded.position,
+                              loaded.num_layers, synced_ranks=strategy.shards_base)  # every rank
+               if args.num_sample_answers > 0 and (not metrics.disable or strategy.shards_base)
+               else None)
+    with strategy.gathered():  # rank 0 writes; if that fails, every rank exits instead of hanging
+        run_checked(lambda: save_and_report(args, loaded, metrics, record, trained, answers),
+                    participate=not metrics.disable, device=strategy.device)
+
+
+def save_and_report(args: argparse.Namespace, loaded: DataAndModel, metrics: MetricsLog,
+                    finished: dict, trained: str, answers: str | None) -> None:
+    """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
+    the record that the run `finished` (alpaca.resume.finished_record); then say so."""
+    save_output(loaded.reft_model, metrics, args.output_dir, finished)
+    print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
+          f"and loss.png in {args.output_dir}/")
+    if answers:
+        print(answers)
 
 
 if __name__ == "__main__":

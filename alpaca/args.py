@@ -23,7 +23,7 @@ from alpaca.constants import (
     INTERVENTIONS,
     VARLEN_ATTENTION,
 )
-from alpaca.data_source import data_source
+from alpaca.data_source import check_data_path, validate_eval
 from alpaca.deepspeed_config import load_config, stage
 from alpaca.errors import UsageError
 from alpaca.flag_values import (
@@ -414,32 +414,6 @@ def validate_quantization(args: argparse.Namespace) -> None:
     if getattr(args, "torch_compile", False):  # generate.py has no such flag
         raise UsageError(f"--torch_compile is not yet tested with {quantized} (bitsandbytes' kernels); drop one "
                          "of them")
-
-
-def check_data_path(flag: str, path: str, config: str | None) -> None:
-    """Check that `path` is data files, a directory or a hub name (alpaca.data_source); --data_config only where there
-    are configurations to choose from."""
-    source = data_source(flag, path)
-    if config is not None and source.kind in ("files", "saved"):
-        raise UsageError(f"--data_config {config!r} names a configuration of a hub dataset; {flag} {path!r} is "
-                         f"{'data files' if source.kind == 'files' else 'a save_to_disk directory'}, drop it")
-
-
-def validate_eval(args: argparse.Namespace) -> None:
-    """Check that evaluation data comes from a file or a held-out split; the strategy defaults to once per epoch."""
-    if args.eval_data_path and args.eval_split_ratio is not None:
-        raise UsageError("--eval_data_path and --eval_split_ratio are exclusive; pass one")
-    if args.eval_data_path:
-        check_data_path("--eval_data_path", args.eval_data_path, None)
-    elif args.eval_data_split is not None:
-        raise UsageError(f"--eval_data_split {args.eval_data_split!r} picks a split of --eval_data_path; pass "
-                         "--eval_data_path, or drop it")
-    has_eval_data = bool(args.eval_data_path) or args.eval_split_ratio is not None
-    if args.eval_strategy is None:
-        args.eval_strategy = "epoch" if has_eval_data else "no"
-    if args.eval_strategy != "no" and not has_eval_data:
-        raise UsageError(f"--eval_strategy {args.eval_strategy} needs evaluation data; pass --eval_data_path FILE "
-                         "or --eval_split_ratio 0.05")
 
 
 def resolve_device_defaults(args: argparse.Namespace, device_type: str) -> None:

@@ -1,9 +1,11 @@
 """Where records come from, told from --data_path alone: data files (a file or a glob of them) and the `datasets`
-loader that reads them, a directory written by `datasets`' save_to_disk, another local directory, or a hub name.
-Standard library only: the scripts check the path before torch and `datasets` are imported."""
+loader that reads them, a directory written by `datasets`' save_to_disk, another local directory, or a hub name;
+and the checks of the data flags that read no data. Standard library only: the scripts check the path before torch
+and `datasets` are imported."""
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import re
@@ -63,3 +65,29 @@ def data_source(flag: str, path: str) -> DataSource:
         raise UsageError(f"{flag} {path!r} matches files of several kinds ({', '.join(sorted(loaders))}); pass "
                          "files of one kind")
     return DataSource("files", path, loaders.pop(), tuple(files))
+
+
+def check_data_path(flag: str, path: str, config: str | None) -> None:
+    """Check that `path` is data files, a directory or a hub name (data_source); --data_config only where there are
+    configurations to choose from."""
+    source = data_source(flag, path)
+    if config is not None and source.kind in ("files", "saved"):
+        raise UsageError(f"--data_config {config!r} names a configuration of a hub dataset; {flag} {path!r} is "
+                         f"{'data files' if source.kind == 'files' else 'a save_to_disk directory'}, drop it")
+
+
+def validate_eval(args: argparse.Namespace) -> None:
+    """Check that evaluation data comes from a file or a held-out split; the strategy defaults to once per epoch."""
+    if args.eval_data_path and args.eval_split_ratio is not None:
+        raise UsageError("--eval_data_path and --eval_split_ratio are exclusive; pass one")
+    if args.eval_data_path:
+        check_data_path("--eval_data_path", args.eval_data_path, None)
+    elif args.eval_data_split is not None:
+        raise UsageError(f"--eval_data_split {args.eval_data_split!r} picks a split of --eval_data_path; pass "
+                         "--eval_data_path, or drop it")
+    has_eval_data = bool(args.eval_data_path) or args.eval_split_ratio is not None
+    if args.eval_strategy is None:
+        args.eval_strategy = "epoch" if has_eval_data else "no"
+    if args.eval_strategy != "no" and not has_eval_data:
+        raise UsageError(f"--eval_strategy {args.eval_strategy} needs evaluation data; pass --eval_data_path FILE "
+                         "or --eval_split_ratio 0.05")

@@ -3,13 +3,12 @@ when one of them fails."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import resource
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -26,26 +25,20 @@ T = TypeVar("T")
 OK, FAILED = 0, 1
 
 
-@contextlib.contextmanager
-def ending_process_group() -> Iterator[None]:
-    """Wrap everything that uses the process group, once init_process_group has made it: when the block ends,
-    however it ends, what holds the group lets go of it, and the group is destroyed.
+def let_go_of_process_group() -> None:
+    """Let go of what still holds the process group: called in the `finally` around everything that uses the
+    group, right before destroy_process_group (after which a gc.collect() frees FSDP's sharded modules, which can
+    become collectable only once the group is gone).
 
-    destroy_process_group frees the group only once nothing else holds it, and a group that survives it
-    keeps gloo's threads running into interpreter exit, where they can abort a process that has finished
-    ("terminate called without an active exception"). After destroy_process_group, a gc.collect() frees
-    FSDP's sharded modules, which can become collectable only once the group is gone.
+    destroy_process_group frees the group only once nothing else holds it, and a group that survives it keeps
+    gloo's threads running into interpreter exit, where they can abort a process that has finished ("terminate
+    called without an active exception").
     """
-    try:
-        yield
-    except BaseException as error:  # a stop signal or an error: its traceback keeps the block's locals (DDP)
-        traceback.clear_frames(error.__traceback__)
-        raise
-    finally:
-        _clear_sharding_prop_cache()  # DTensor's caches keep FSDP's device mesh, which keeps the group
-        gc.collect()  # the block's objects in reference cycles
-        dist.destroy_process_group()
-        gc.collect()
+    ending = sys.exc_info()[1]  # in a `finally`: the stop signal or error that ends the block, if one does
+    if ending is not None:  # its traceback keeps the block's locals (DDP)
+        traceback.clear_frames(ending.__traceback__)
+    _clear_sharding_prop_cache()  # DTensor's caches keep FSDP's device mesh, which keeps the group
+    gc.collect()  # the block's objects in reference cycles
 
 
 def agree(status: int, device: torch.device) -> int:
@@ -76,10 +69,10 @@ def run_checked(fn: Callable[[], T], device: torch.device, participate: bool = T
     return result
 
 
-def main_rank_result(fn: Callable[[], T], is_main: bool, device: torch.device) -> T:
+def main_rank_result(fn: Callable[[], T], device: torch.device) -> T:
     """Run `fn` on rank 0 alone (it owns the output directory), its result sent to every rank: other nodes need
     not see rank 0's disk. A failure stops every rank at once."""
-    result = [run_checked(fn, participate=is_main, device=device)]
+    result = [run_checked(fn, participate=dist.get_rank() == 0, device=device)]
     dist.broadcast_object_list(result, src=0)
     return result[0]
 

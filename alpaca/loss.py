@@ -71,7 +71,7 @@ def token_weighted_loss(summed_loss: torch.Tensor, step_label_tokens: int, world
 
 
 @torch.no_grad()
-def evaluate(reft_model, dataset, eval_order: list[list[int]], collate, device: torch.device, rank: int = 0,
+def evaluate(reft_model, dataset, eval_order: list[list[int]], collate, device: torch.device, *, rank: int = 0,
              world_size: int = 1, sharded_base: bool = False) -> torch.Tensor:
     """Compute the summed token loss and the label tokens over this rank's batches of `eval_order` (every
     world_size-th), in float64 on `device`, with the interventions in eval mode (no dropout). Ranks all-reduce these two

@@ -188,7 +188,7 @@ class LogWindow:
         self.sums = dict.fromkeys(self.SUMS, 0)
 
 
-def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int | None, resume_from, step: int,
+def start_line(summary: str, schedule, args: argparse.Namespace, *, eval_size: int, resume_from, step: int,
                ready_s: float, processes: int = 1, placement: str = "") -> str:
     """Return the line a run starts with: data and model, the global batch and the step schedule, where it resumes."""
     per_process = f"{processes} processes x " if processes > 1 or placement else ""
@@ -202,7 +202,7 @@ def start_line(summary: str, schedule, args: argparse.Namespace, eval_size: int 
             + f" | ready in {ready_s:.1f}s")
 
 
-def train_record(step: int, steps_per_epoch: int, sums: dict[str, float], learning_rate: float, grad_norm: float,
+def train_record(step: int, steps_per_epoch: int, sums: dict[str, float], *, learning_rate: float, grad_norm: float,
                  window_seconds: float, elapsed_s: float) -> dict:
     """Build a training log record from a window's sums since the last one, summed over ranks (LogWindow.named)."""
     return {"step": step, "epoch": round(step / steps_per_epoch, 4), "loss": sums["loss_sum"] / sums["label_tokens"],

@@ -119,6 +119,7 @@ if __name__ == "__main__":  # --help and usage errors answer here, before the he
     ARGS = parse_args()
 
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -132,7 +133,7 @@ from alpaca.constants import CONVERSATION_FIELD, HELD_OUT_FILE
 from alpaca.data import check_conversations, read_local_records
 from alpaca.data_source import data_file_loader
 from alpaca.device_map import DeviceMap, local_rank_gpus
-from alpaca.distributed import ending_process_group, main_rank_result, run_checked
+from alpaca.distributed import let_go_of_process_group, main_rank_result, run_checked
 from alpaca.generation import (
     SAMPLE_INSTRUCTIONS,
     answer,
@@ -303,8 +304,12 @@ def answer_file_in_process_group(args: argparse.Namespace) -> None:
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     # Only Python objects travel between the processes (answers, indices): gloo, on the host, whatever the device.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    with ending_process_group():
+    try:
         answer_file(args, device, gpus)
+    finally:  # however answering ends: what holds the group lets go of it, then it is destroyed
+        let_go_of_process_group()
+        dist.destroy_process_group()
+        gc.collect()
 
 
 # What decides the answers, besides the interventions, the records and the dtype as resolved: a resumed run must
@@ -339,7 +344,7 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
     decoding = {name: getattr(args, name) for name in DECODING} | {
         "dtype": str(resolve_dtype(args.dtype, host)).removeprefix("torch."), "records_sha256": records,
         "interventions_sha256": interventions_sha256(args.reft_dir)}
-    main_rank_result(lambda: prepare_partial(partial, decoding, args.resume), is_main, cpu)
+    main_rank_result(lambda: prepare_partial(partial, decoding, args.resume), cpu)
     # each process appends to OUTPUT.partial/ on its node: rank 0's on a shared filesystem, else its node's own
     run_checked(lambda: partial.mkdir(parents=True, exist_ok=True), participate=True, device=cpu)
     model, tokenizer, device_map = load_models(args, settings, host, gpus)

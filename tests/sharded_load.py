@@ -15,6 +15,7 @@ not own. Prints "ok" on rank 0, for each model and strategy.
 """
 
 import datetime
+import gc
 import math
 import os
 import sys
@@ -30,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from alpaca.distributed import ending_process_group  # noqa: E402
+from alpaca.distributed import let_go_of_process_group  # noqa: E402
 from alpaca.model import build_reft_model, quantization_config  # noqa: E402
 from alpaca.sharding import empty_base_model, load_shards, quantize_empty_base  # noqa: E402
 from alpaca.strategy import shard_base_model  # noqa: E402
@@ -39,7 +40,7 @@ from alpaca.zero import partition_base, start  # noqa: E402
 
 cpu = torch.device("cpu")
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-with ending_process_group():
+try:
     for model_dir in sys.argv[1:]:
         whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         sharded = empty_base_model(model_dir, torch.float32)
@@ -132,3 +133,7 @@ with ending_process_group():
                                        atol=0)
         if int(os.environ["RANK"]) == 0:
             print(f"ok: ZeRO-3, {world} ranks, tied={tied}")
+finally:  # what holds the group lets go of it, then it is destroyed
+    let_go_of_process_group()
+    dist.destroy_process_group()
+    gc.collect()

@@ -33,7 +33,8 @@ def test_the_sums_are_named_and_the_collators_counts_stay_on_the_host():
     assert totals.dtype == torch.float64 and totals.shape == (len(LogWindow.SUMS),)
     expected_loss = sum(loss.double() for loss, _ in BATCHES).item()  # the float32 losses, summed in float64
     assert LogWindow.named(totals) == {"loss_sum": expected_loss, "label_tokens": 9.0, "tokens": 45.0}
-    record = train_record(4, 2, LogWindow.named(totals), 1e-3, 0.5, window_seconds=3.0, elapsed_s=10.0)
+    record = train_record(4, 2, LogWindow.named(totals), learning_rate=1e-3, grad_norm=0.5, window_seconds=3.0,
+                          elapsed_s=10.0)
     assert record["loss"] == expected_loss / 9 and record["tokens_per_s"] == 15.0 and record["epoch"] == 2.0
     window.reset()
     assert LogWindow.named(window.totals()) == dict.fromkeys(LogWindow.SUMS, 0.0)

@@ -1,6 +1,7 @@
 """The two scripts as a lesson: `diff train.py train_multigpu.py` shows what N processes add and nothing
 else, so a change to the part both share, made in one script only, fails here. Both have the same functions
-in the same order, none of which takes more than 6 positional arguments."""
+in the same order, none of which takes more than 6 positional arguments nor runs past 120 lines (a screen per
+idea, as nanoGPT's); no call in them passes more than 6 values in a row (past six, name them)."""
 
 import ast
 import difflib
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.fast
 SCRIPTS = ("train.py", "train_multigpu.py")
 MAX_CHANGED_LINES = 150
 MAX_POSITIONAL = 6
+MAX_FUNCTION_LINES = 120
 # What N processes add to one process's training: every hunk of the diff names one of these, on either side.
 # `rank` alone is the process's (args.rank is LoReFT's low-rank dimension); `process` covers the process group.
 DISTRIBUTED = re.compile(
@@ -63,7 +65,7 @@ def test_the_diff_of_the_scripts_is_what_n_processes_add():
 
 
 @pytest.mark.parametrize("shared, changed", [
-    ("                window_start += seconds  # tokens/s counts training time only",
+    ("                window_start += evaluated[\"eval_s\"]  # tokens/s counts training time only",
      "                window_start += 0.0"),
     ("    reft_model = build_reft_model(model, args.layers, position, args.share_weights,",
      "    reft_model = build_reft_model(model, args.layers, position, False,"),
@@ -88,6 +90,22 @@ def test_no_function_of_a_script_takes_more_than_six_positional_arguments(name):
     too_many = {f.name: len(f.args.posonlyargs) + len(f.args.args) for f in functions(name)
                 if len(f.args.posonlyargs) + len(f.args.args) > MAX_POSITIONAL}
     assert too_many == {}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_no_call_in_a_script_passes_more_than_six_positional_arguments(name):
+    calls = [node for node in ast.walk(ast.parse((REPO / name).read_text())) if isinstance(node, ast.Call)]
+    too_many = {f"line {call.lineno}: {ast.unparse(call.func)}": len(call.args) for call in calls
+                if len(call.args) > MAX_POSITIONAL}
+    assert too_many == {}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_no_function_of_a_script_runs_past_120_lines(name):
+    """Nested functions count in the function that holds them."""
+    too_long = {f.name: f.end_lineno - f.lineno + 1 for f in functions(name)
+                if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES}
+    assert too_long == {}
 
 
 @pytest.mark.parametrize("name", [*SCRIPTS, *(str(path.relative_to(REPO)) for path in (REPO / "alpaca").glob("*.py"))])
