@@ -42,7 +42,7 @@ from alpaca.launcher_env import (
     is_main_process,
 )
 from alpaca.signals import wait_for_launcher
-from alpaca.versions import check_torch, check_torch_shards_4bit
+from alpaca.versions import check_torch
 
 # --bnb_4bit_quant_type: bitsandbytes' 4-bit data types (BitsAndBytesConfig's names).
 QUANT_TYPES = ("nf4", "fp4")
@@ -279,7 +279,7 @@ NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
 
 def validate(args: argparse.Namespace) -> None:
     """Run the checks that need no model, before anything heavy is imported or loaded."""
-    check_torch()
+    check_torch(shards_4bit=bool(getattr(args, "fsdp", "")) and args.load_in_4bit)
     parse_position(args.position)
     parse_layers(args.layers)
     for name, (meets, meaning) in NUMBER_FLAGS.items():
@@ -398,8 +398,6 @@ def validate_quantization(args: argparse.Namespace) -> None:
         raise UsageError("--load_in_8bit and --fsdp do not combine: bitsandbytes keeps an 8-bit weight's row scales on "
                          "the weight, which FSDP2's gathered weight loses; use --load_in_4bit with --fsdp, or DDP "
                          "(docs/big-models.md)")
-    if fsdp_words and args.load_in_4bit:
-        check_torch_shards_4bit()
     if "offload" in fsdp_words:
         raise UsageError(f"{quantized} with --fsdp offload: the shards would sit in CPU memory and their quantization "
                          "constants with them, not on the GPU that computes; drop 'offload' (docs/big-models.md)")

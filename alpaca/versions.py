@@ -18,21 +18,19 @@ def torch_version() -> tuple[int, int]:
     return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version("torch")).groups())
 
 
-def check_torch() -> None:
-    """Refuse a torch older than the oldest tested, in one line naming the range, before any weight loads: older ones
-    differ in what the scripts call (torch 2.10's varlen_attn takes no scale: a TypeError at the first step)."""
+def check_torch(shards_4bit: bool = False) -> None:
+    """Refuse, in one line before any weight loads, a torch older than the oldest tested, naming the range: older ones
+    differ in what the scripts call (torch 2.10's varlen_attn takes no scale: a TypeError at the first step). With
+    `shards_4bit` (--fsdp --load_in_4bit) refuse torch 2.11 too, whose FSDP2 cannot shard a 4-bit base's packed
+    (uint8) bytes: it makes each shard a parameter that requires a gradient, which an integer tensor cannot (a
+    RuntimeError), and its GPU mixed-precision policy casts them to bf16 (a wrong forward, silently); torch 2.12
+    leaves integer shards alone."""
+    installed = version("torch")
     if torch_version() < OLDEST_TESTED_TORCH:
         oldest, newest = (".".join(map(str, v)) for v in (OLDEST_TESTED_TORCH, NEWEST_TESTED_TORCH))
-        raise UsageError(f"torch {version('torch')} is older than {oldest}, the oldest these scripts are tested with "
+        raise UsageError(f"torch {installed} is older than {oldest}, the oldest these scripts are tested with "
                          f"({oldest} to {newest}); pip install 'torch>={oldest}'")
-
-
-def check_torch_shards_4bit() -> None:
-    """Refuse --fsdp --load_in_4bit on torch 2.11, whose FSDP2 cannot shard a 4-bit base's packed (uint8) bytes: it
-    makes each shard a parameter that requires a gradient, which an integer tensor cannot (a RuntimeError), and its
-    GPU mixed-precision policy casts them to bf16 (a wrong forward, silently); torch 2.12 leaves integer shards
-    alone."""
-    if torch_version() < (2, 12):
-        raise UsageError(f"--fsdp --load_in_4bit needs torch 2.12 or newer (torch {version('torch')}'s FSDP2 "
-                         "handles the packed 4-bit bytes as floating-point weights); pip install 'torch>=2.12', or "
-                         "drop --fsdp: DDP holds the whole 4-bit base on each GPU")
+    if shards_4bit and torch_version() < (2, 12):
+        raise UsageError(f"--fsdp --load_in_4bit needs torch 2.12 or newer (torch {installed}'s FSDP2 handles the "
+                         "packed 4-bit bytes as floating-point weights); pip install 'torch>=2.12', or drop --fsdp: "
+                         "DDP holds the whole 4-bit base on each GPU")
