@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from alpaca.checkpoint import checkpoints, is_complete, latest_checkpoint, step_of
+from alpaca.checkpoint import checkpoints, is_complete, step_of
 
 DIVERGED_EXIT_CODE = 3  # neither a usage error (2) nor a crash or failed write (1): a requeue would diverge again
 ANEW = "--overwrite_output_dir (without --resume_from_checkpoint)"
@@ -27,26 +27,26 @@ def exit_if_diverged(strategy, prog: str, output_dir: str | os.PathLike, resumed
     if not metrics.disable:
         progress.close()
         print(f"{prog}: error: the loss or gradient norm is not finite (NaN or inf) at step {first}, which was not "
-              f"applied, and nothing was saved after it; {way_on(output_dir, resumed_from)}", file=sys.stderr)
+              f"applied, and nothing was saved after it; {way_on(output_dir, resumed_from, first)}", file=sys.stderr)
         sys.stderr.flush()  # before torchrun's report of the failed ranks
         metrics.close()
     sys.exit(DIVERGED_EXIT_CODE)
 
 
-def way_on(output_dir: str | os.PathLike, resumed_from: Path | None) -> str:
-    """Say where a diverged run goes on at a lower learning rate: its newest intact checkpoint; where that is the one
-    the run itself resumed from (no newer one written since), the intact one before it, as the weights it holds
-    may be what diverges (a step with a finite loss can send them to ~1e30, the next one's loss is NaN); else anew."""
-    newest = latest_checkpoint(output_dir)
-    if newest is None:
+def way_on(output_dir: str | os.PathLike, resumed_from: Path | None, diverged_step: int) -> str:
+    """Say where a diverged run goes on at a lower learning rate: its newest intact checkpoint from before the diverged
+    step (a newer one is an abandoned run's); where that is the one the run itself resumed from, the intact one before
+    it, as the weights it holds may be what diverges (a step with a finite loss can send them to ~1e30, the next one's
+    loss is NaN); else anew."""
+    kept = [path for path in checkpoints(output_dir) if step_of(path) < diverged_step and is_complete(path)]
+    if not kept:
         return f"no checkpoint was saved before it: train again with a lower --learning_rate and {ANEW}"
+    newest = kept[-1]
     if resumed_from is None or newest.resolve() != Path(resumed_from).resolve():
         return ("resume its newest checkpoint with a lower learning rate: --resume_from_checkpoint "
                 f"{newest} --learning_rate <lower>")
     resumed = f"this run resumed from {newest} and diverged before saving another"
-    earlier = next((path for path in reversed(checkpoints(output_dir))
-                    if step_of(path) < step_of(newest) and is_complete(path)), None)
-    if earlier is None:
+    if len(kept) == 1:
         return f"{resumed}, and no checkpoint before it is kept: train anew with a lower --learning_rate and {ANEW}"
     return (f"{resumed}: resume the checkpoint before it with a lower learning rate: --resume_from_checkpoint "
-            f"{earlier} --learning_rate <lower>")
+            f"{kept[-2]} --learning_rate <lower>")

@@ -164,7 +164,8 @@ def training_fingerprint(args: argparse.Namespace, records, model_path: str, dty
     """Fingerprint what a checkpoint is bound to: the training data as trained on (content), the base model at
     `model_path` (config, tokenizer, weights: alpaca.model.model_fingerprint) and the bound flags (bound_flag_values,
     `dtype` as resolved). From files alone: no weight is loaded."""
-    num_layers = AutoConfig.from_pretrained(model_path, cache_dir=args.cache_dir).num_hidden_layers
+    config = AutoConfig.from_pretrained(model_path, cache_dir=args.cache_dir).get_text_config(decoder=True)
+    num_layers = config.num_hidden_layers
     return {"data": records_fingerprint(records), "model": model_fingerprint(model_path, args.cache_dir),
             "flags": bound_flag_values(args, num_layers, dtype)}
 

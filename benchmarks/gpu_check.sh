@@ -74,32 +74,33 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 '| transformers', transformers.__version__)"
 
-# throughput NAME FLAGS...: benchmarks/throughput.py's rows as they come, within the section (no new variant in its
-# last 90 s); its stderr in $OUT/NAME.log, whose last lines are printed if it fails
+# throughput NAME SECONDS FLAGS...: benchmarks/throughput.py's rows as they come, for at most SECONDS and no later than
+# the section's end, no new variant in its last third; its stderr in $OUT/NAME.log, whose last lines print if it fails
 throughput() {
-  local name=$1 status=0; shift
-  timeout $(( SECTION_END - SECONDS )) "${THROUGHPUT[@]}" --time_budget $(( SECTION_END - SECONDS - 90 )) "$@" \
-      2> "$OUT/$name.log" || status=$?
+  local name=$1 seconds=$2 status=0; shift 2
+  (( SECTION_END - SECONDS < seconds )) && seconds=$(( SECTION_END - SECONDS ))
+  if (( seconds < 5 )); then echo "$name: not started (the section's ${SECTION_SECONDS} s are spent)"; return; fi
+  timeout "$seconds" "${THROUGHPUT[@]}" --time_budget $(( seconds * 2 / 3 )) "$@" 2> "$OUT/$name.log" || status=$?
   (( status == 0 )) || { echo "$name: failed (exit $status)"; tail -5 "$OUT/$name.log" | sed 's/^/    | /'; }
 }
 
 if wants 1a; then
   section "1a. throughput, SmolLM2-135M"
-  throughput 1a --variants "$VARIANTS" --batch_sizes 8,32,64
+  throughput 1a "$SECTION_SECONDS" --variants "$VARIANTS" --batch_sizes 8,32,64
 fi
 if wants 1b; then
   section "1b. throughput, Llama-3.2-1B shape"
-  throughput 1b --variants "$VARIANTS" --batch_sizes 8,32 --model_shape llama-3.2-1b
+  throughput 1b "$SECTION_SECONDS" --variants "$VARIANTS" --batch_sizes 8,32 --model_shape llama-3.2-1b
 fi
 if wants 1c; then
   section "1c. attention backend: cuDNN's SDPA off (against 1a and 1b's baseline and eager rows)"
-  SECTION_SECONDS=$(( SECTION_SECONDS / 2 )) throughput 1c-smollm2 --variants baseline,eager --batch_sizes 8 \
-      --cudnn_sdpa off
-  throughput 1c-1b --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off --model_shape llama-3.2-1b
+  throughput 1c-smollm2 $(( SECTION_SECONDS / 2 )) --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off
+  throughput 1c-1b "$SECTION_SECONDS" --variants baseline,eager --batch_sizes 8 --cudnn_sdpa off \
+      --model_shape llama-3.2-1b
 fi
 if wants 1d; then
   section "1d. throughput, Llama-3.1-8B shape (random bf16 weights built on the GPU)"
-  throughput 1d --variants "$VARIANTS" --batch_sizes 8 --model_shape llama-3.1-8b
+  throughput 1d "$SECTION_SECONDS" --variants "$VARIANTS" --batch_sizes 8 --model_shape llama-3.1-8b
 fi
 
 # compare REFERENCE NAME...: each run's max weight and loss differences from REFERENCE's (directories in $OUT)
@@ -141,7 +142,7 @@ COMMON=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 10 --loggi
 if wants 2; then
   section "2. host syncs in train.py's step (steps 3-10; step 10 logs and the run saves)"
   run sync 40 $PYTHON benchmarks/sync_count.py train.py "${COMMON[@]}" --logging_steps 1000 --output_dir "$OUT/sync"
-  sed -n '/synchronizing operations/,$p' "$OUT/sync.log"
+  [[ -f $OUT/sync.log ]] && sed -n '/synchronizing operations/,$p' "$OUT/sync.log"
 fi
 
 if wants 3; then

@@ -296,7 +296,7 @@ def profile_steps(args: argparse.Namespace, train_step, window, steps: int, devi
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    every = max(1, steps // PROFILED_STEPS)
+    every = -(-steps // PROFILED_STEPS)  # at most PROFILED_STEPS of them: steps 0, every, 2 x every, ...
     host_us = device_us = 0.0
     for number, micro_batches in enumerate(window()):
         if number % every:

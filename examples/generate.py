@@ -346,7 +346,7 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
         "interventions_sha256": interventions_sha256(args.reft_dir)}
     main_rank_result(lambda: prepare_partial(partial, decoding, args.resume), cpu)
     # each process appends to OUTPUT.partial/ on its node: rank 0's on a shared filesystem, else its node's own
-    run_checked(lambda: partial.mkdir(parents=True, exist_ok=True), participate=True, device=cpu)
+    run_checked(lambda: node_partial(partial, decoding), participate=True, device=cpu)
     model, tokenizer, device_map = load_models(args, settings, host, gpus)
     reft_model = load_reft_model(args.reft_dir, model)
     if device_map is not None:
@@ -365,7 +365,7 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
 
     # -- what is left: the batches no process has finished (every process reads the partial files it sees) ----
     seen = [None] * world_size
-    dist.all_gather_object(seen, read_partial(partial))
+    dist.all_gather_object(seen, read_partial(partial, decoding))
     done = {index: record for records in seen for index, record in records.items()}
     finished = {number for number, batch in enumerate(plan) if all(index in done for index in batch)}
     done = {index: done[index] for number in finished for index in plan[number]}  # a batch cut by a kill: again
@@ -433,8 +433,22 @@ def prepare_partial(partial: Path, decoding: dict, resume: bool) -> None:
     settings_file.write_text(json.dumps(decoding, indent=1))
 
 
-def read_partial(partial: Path) -> dict[int, dict]:
-    """Read the answers in the partial files this process sees, by record index; a line cut by a kill is skipped."""
+def node_partial(partial: Path, decoding: dict) -> None:
+    """Make OUTPUT.partial/ on this process's node where rank 0's `prepare_partial` did not (nodes that share no
+    filesystem), with the settings its answers are made with."""
+    partial.mkdir(parents=True, exist_ok=True)
+    settings_file = partial / "settings.json"
+    if not settings_file.exists():
+        staging = partial / f"settings.json.{os.getpid()}"  # whole or not at all, for the node's other processes
+        staging.write_text(json.dumps(decoding, indent=1))
+        staging.replace(settings_file)
+
+
+def read_partial(partial: Path, decoding: dict) -> dict[int, dict]:
+    """Read the answers in the partial files this process sees, by record index; a line cut by a kill is skipped. A
+    node's leftover answers made with other settings are not read (rank 0 refuses its own: `prepare_partial`)."""
+    if json.loads((partial / "settings.json").read_text()) != json.loads(json.dumps(decoding)):
+        return {}
     answers = {}
     for path in sorted(partial.glob("rank-*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():

@@ -242,7 +242,6 @@ def test_non_ascii_and_very_long_records_just_work(tiny_model, tmp_path):
     assert "Dropped 1 example(s) whose prompt alone reaches --model_max_length" in stdout
 
 
-
 def test_a_torch_older_than_the_tested_range_is_refused_before_any_weight_loads(tiny_model, tmp_path, output_dir,
                                                                                 monkeypatch):
     """GPU images ship their own torch: one older than the tested range is one line naming the range, from either

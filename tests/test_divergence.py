@@ -16,7 +16,7 @@ from faults import Fault
 
 import alpaca.strategy
 from alpaca.checkpoint import load_checkpoint
-from alpaca.divergence import DIVERGED_EXIT_CODE
+from alpaca.divergence import ANEW, DIVERGED_EXIT_CODE
 from alpaca.optim import clip_and_step
 from alpaca.output import MetricsLog, plot_loss, read_metrics
 
@@ -103,8 +103,9 @@ def test_a_diverging_run_stops_before_saving_and_its_checkpoint_resumes(tiny_mod
 
 def test_a_resumed_run_that_diverges_again_is_sent_to_the_checkpoint_before(tiny_model, tiny_data, tmp_path):
     """A non-finite loss at step 5 (tests/faults.py) after checkpoints 2 and 4: checkpoint-4 named. Resumed from it
-    and non-finite again at its first step (5), before it saves: the line names checkpoint-2, from which the run
-    then trains to its end."""
+    and non-finite again at its first step (5), before it saves: the line names checkpoint-2. Resumed from that and
+    non-finite at step 3: no checkpoint before it is kept (checkpoint-4, an abandoned run's, is not named); at a
+    lower rate the run from checkpoint-2 trains to its end."""
     output_dir = tmp_path / "out"
     args = training_flags(tiny_model, tiny_data, output_dir, "--max_steps", "6", "--save_strategy", "steps",
                           "--save_steps", "2", "--logging_steps", "3", "--num_sample_answers", "0",
@@ -119,6 +120,11 @@ def test_a_resumed_run_that_diverges_again_is_sent_to_the_checkpoint_before(tiny
         "5", f"this run resumed from {output_dir / 'checkpoint-4'} and diverged before saving another: resume the "
              "checkpoint before it with a lower learning rate: --resume_from_checkpoint "
              f"{output_dir / 'checkpoint-2'} --learning_rate <lower>")
+    with Fault("inf_loss", 1):  # its first step (3) again not finite: the abandoned run's checkpoint-4 is no way on
+        status, _, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint", output_dir / "checkpoint-2"])
+    assert status == DIVERGED_EXIT_CODE and LINE.fullmatch(last_line(stderr)).groups() == (
+        "3", f"this run resumed from {output_dir / 'checkpoint-2'} and diverged before saving another, and no "
+             f"checkpoint before it is kept: train anew with a lower --learning_rate and {ANEW}"), stderr[-3000:]
     status, stdout, stderr = run_in_process("train.py", [*args, "--resume_from_checkpoint",
                                                          output_dir / "checkpoint-2", "--learning_rate", "1e-3"])
     assert status == 0 and f"resuming {output_dir / 'checkpoint-2'} at step 2" in stdout, stderr[-3000:]

@@ -332,11 +332,17 @@ def as_on_own_disks(directory) -> list[str]:
 
 def one_and_two_processes(flags: list, output: Path, directory: Path) -> tuple[bytes, bytes]:
     """The answers file that 1 process (as torchrun runs each) and 2 processes, as on two nodes that share no
-    filesystem (the file is process 0's; no partial directory is left on either), write with `flags`."""
+    filesystem (the file is process 0's; no partial directory is left on either), write with `flags`. The second
+    node holds the partial answers of a killed run with other settings (bfloat16): they are not taken."""
     answers = ["--per_device_batch_size", "1", "--max_new_tokens", "6", "--dtype", "float32"]
     with one_thread():
         status, _, stderr = run_in_process(GENERATE, [*flags, *answers, "--output_file", output])
     assert status == 0, stderr[-3000:]
+    stale = directory / "node-1" / "answers.json.partial"
+    stale.mkdir(parents=True)
+    (stale / "settings.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    (stale / "rank-1.jsonl").write_text("".join(json.dumps({"index": index, "output": "stale", "tokens": 1,
+                                                            "cut": False}) + "\n" for index in range(30)))
     two = torchrun(2, [*as_on_own_disks(directory), GENERATE, *map(str, flags), *answers, "--output_file",
                        "answers.json"], extra=["--no-python"])
     assert two.returncode == 0, two.stderr[-3000:]

@@ -280,4 +280,3 @@ def test_a_forward_without_gradient_leaves_the_4bit_layers_differentiable(tiny_m
     with torch.no_grad():
         reft_model({"input_ids": ids}, unit_locations=locations)
     assert all(torch.equal(a, b) for a, b in zip(gradients(), before, strict=True)) and before
-
