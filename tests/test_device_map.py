@@ -56,7 +56,7 @@ def test_layers_on_disk_wait_on_the_meta_device_between_forwards(tiny_model, tin
         args = parse_args("train.py", training_flags(tiny_model, tiny_data, None, "--position", "f2+l2", *placement))
         resolve_device_defaults(args, "cpu")
         strategy = choose_strategy(args, torch.device("cpu"), torch.float32, [], distributed=False)
-        loaded = train.load_data_and_model(args, strategy, torch.float32, (2, 2), torch.device("cpu"))
+        loaded = train.load_data_and_model(args, strategy, torch.float32, torch.device("cpu"))
         reft_model, dataset, collate = loaded.reft_model, loaded.dataset, loaded.collate
         train_model = strategy.wrap(reft_model, None, None, None)
         layers = decoder_layers(reft_model.model)
