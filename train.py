@@ -320,25 +320,22 @@ def evaluation_record(loaded: DataAndModel, strategy, step: int, steps_per_epoch
 
 def finish_run(args: argparse.Namespace, loaded: DataAndModel, strategy, metrics: MetricsLog,
                progress, resume_from: Path | None, *, record: dict, trained: str) -> None:
-    """End the run: stop if a step was not finite (alpaca.divergence); else sample answers, write
-    the output, with `record` (alpaca.resume.finished_record), and say so."""
+    """End the run: stop if a step was not finite (alpaca.divergence); else write the output, with
+    `record` (alpaca.resume.finished_record), and say so; then, the output safe, sample answers."""
     exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
-    answers = (sample_answers(loaded.reft_model, loaded.tokenizer, args, loaded.position,
-                              loaded.num_layers)
-               if args.num_sample_answers > 0
-               else None)
-    save_and_report(args, loaded, metrics, record, trained, answers)
+    save_and_report(args, loaded, metrics, record, trained)
+    if args.num_sample_answers > 0:
+        print(sample_answers(loaded.reft_model, loaded.tokenizer, args, loaded.position,
+                             loaded.num_layers, strategy.device, synced_ranks=strategy.shards_base))
 
 
 def save_and_report(args: argparse.Namespace, loaded: DataAndModel, metrics: MetricsLog,
-                    finished: dict, trained: str, answers: str | None) -> None:
+                    finished: dict, trained: str) -> None:
     """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
     the record that the run `finished` (alpaca.resume.finished_record); then say so."""
     save_output(loaded.reft_model, metrics, args.output_dir, finished)
     print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
           f"and loss.png in {args.output_dir}/")
-    if answers:
-        print(answers)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from alpaca.collate import Collator, StepCollator, give_step_counts, step_counts
 from alpaca.data import load_training_splits, tokenize_splits
 from alpaca.device_map import local_rank_gpus
 from alpaca.distributed import (
+    bound_device,
     first_on_local_main,
     gather_rank_report,
     let_go_of_process_group,
@@ -103,7 +104,7 @@ def main(args: argparse.Namespace) -> None:
         check_attention(args.attn_implementation, device, dtype)
         backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=bound_device(gpus))
         try:
             if dist.get_rank() != 0:  # other ranks print errors only
                 quiet_non_main_rank()
@@ -187,7 +188,7 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     sampler, loader = training_loader(args, loaded, device)
     placeholder = loaded.collate([dataset[0]])  # zero-weight, where a rank's share falls short
     # The per-step agreement travels as a CPU tensor over gloo: the host never waits for the device.
-    host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ddp_timeout))
     progress = tqdm(total=schedule.total_steps, initial=step, desc="training",
                     dynamic_ncols=True, disable=not is_main)
     dist.barrier()  # rank 0 may have spent a while starting wandb: every rank's clock starts now
@@ -375,27 +376,25 @@ def evaluation_record(loaded: DataAndModel, strategy, step: int, steps_per_epoch
 
 def finish_run(args: argparse.Namespace, loaded: DataAndModel, strategy, metrics: MetricsLog,
                progress, resume_from: Path | None, *, record: dict, trained: str) -> None:
-    """End the run: stop if a step was not finite (alpaca.divergence); else sample answers, write
-    the output, with `record` (alpaca.resume.finished_record), and say so."""
+    """End the run: stop if a step was not finite (alpaca.divergence); else write the output, with
+    `record` (alpaca.resume.finished_record), and say so; then, the output safe, sample answers."""
     exit_if_diverged(strategy, PROG, args.output_dir, resume_from, metrics, progress)
-    answers = (sample_answers(loaded.reft_model, loaded.tokenizer, args, loaded.position,
-                              loaded.num_layers, synced_ranks=strategy.shards_base)  # every rank
-               if args.num_sample_answers > 0 and (not metrics.disable or strategy.shards_base)
-               else None)
     with strategy.gathered():  # rank 0 writes; if that fails, every rank exits instead of hanging
-        run_checked(lambda: save_and_report(args, loaded, metrics, record, trained, answers),
+        run_checked(lambda: save_and_report(args, loaded, metrics, record, trained),
                     participate=not metrics.disable, device=strategy.device)
+    # a sharded base answers with every rank in step, a replicated one after the last collective
+    if args.num_sample_answers > 0 and (not metrics.disable or strategy.shards_base):
+        print(sample_answers(loaded.reft_model, loaded.tokenizer, args, loaded.position,
+                             loaded.num_layers, strategy.device, synced_ranks=strategy.shards_base))
 
 
 def save_and_report(args: argparse.Namespace, loaded: DataAndModel, metrics: MetricsLog,
-                    finished: dict, trained: str, answers: str | None) -> None:
+                    finished: dict, trained: str) -> None:
     """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
     the record that the run `finished` (alpaca.resume.finished_record); then say so."""
     save_output(loaded.reft_model, metrics, args.output_dir, finished)
     print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
           f"and loss.png in {args.output_dir}/")
-    if answers:
-        print(answers)
 
 
 if __name__ == "__main__":

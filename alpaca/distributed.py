@@ -41,6 +41,13 @@ def let_go_of_process_group() -> None:
     gc.collect()  # the block's objects in reference cycles
 
 
+def bound_device(gpus: list[int]) -> torch.device | None:
+    """Return the GPU to bind the process group to (init_process_group's `device_id`): the rank's one GPU. A rank
+    spanning several (DDP over a device map) is bound to none: NCCL takes only tensors on the bound GPU, and DDP
+    broadcasts and reduces each parameter on its own GPU (an intervention on the group's second one)."""
+    return torch.device("cuda", gpus[0]) if len(gpus) == 1 else None
+
+
 def agree(status: int, device: torch.device) -> int:
     """All-reduce a status code by MAX: every rank learns whether any rank failed (and acts as a barrier)."""
     code = torch.tensor([status], dtype=torch.int32, device=device)

@@ -35,14 +35,19 @@ def prompt_ids(tokenizer, instructions: list, inputs: list[str], prompt_template
 
 @torch.no_grad()
 def generate_batch(reft_model, prompts: list[list[int]], pad_token_id: int, position: tuple[int, int],
-                   share_weights: bool, num_layers: int, intervene: bool = True, **settings):
+                   share_weights: bool, num_layers: int, intervene: bool = True, device: torch.device | None = None,
+                   **settings):
     """Return transformers' generate output (`settings`: its arguments) for prompts left-padded into one batch; its
     `sequences` hold the new tokens only. With `intervene` the interventions act on each prompt's forward, at
     the positions training uses for that prompt, moved right by the row's padding (never found by a token
     search, which a pad id equal to BOS breaks); later tokens come from the KV cache, as in pyvene's generate.
 
     A row whose prompt is too short for every intervened position fills the missing ones with column 0: one
-    column more is padded so that column 0 is padding in every row, which no real token attends to."""
+    column more is padded so that column 0 is padding in every row, which no real token attends to.
+
+    The batch is built on `device`, by default where the base's input embeddings run. Training passes its own device:
+    a base offloaded to the CPU (--fsdp offload) keeps its embeddings there, and with `synced_gpus` transformers
+    all-reduces a flag made on the inputs' device, which NCCL refuses unless it is the rank's GPU."""
     first_n, last_n = position
     lengths = [len(row) for row in prompts]
     short = len(prompts) > 1 and min(lengths) < first_n + last_n
@@ -52,7 +57,7 @@ def generate_batch(reft_model, prompts: list[list[int]], pad_token_id: int, posi
     for row, ids in enumerate(prompts):
         input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, width - len(ids) :] = 1
-    device = input_device(reft_model.model)
+    device = device or input_device(reft_model.model)
     batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
     settings = dict(pad_token_id=pad_token_id, return_dict_in_generate=True, **settings)
     set_train_mode(reft_model, False)
@@ -82,14 +87,15 @@ def decode_answers(tokenizer, sequences: torch.Tensor) -> list[tuple[str, int, b
 
 def answer(reft_model, tokenizer, instruction: str | list[dict[str, str]], position: tuple[int, int],
            share_weights: bool, num_layers: int, max_new_tokens: int = 96, input: str = "",
-           prompt_template: str = "alpaca", synced_ranks: bool = False) -> tuple[str, str]:
+           prompt_template: str = "alpaca", synced_ranks: bool = False,
+           device: torch.device | None = None) -> tuple[str, str]:
     """Generate (base answer, ReFT answer) to an instruction, or to a conversation (its messages, the last the user's)
     under the chat template, greedy. A sharded base (FSDP, ZeRO-3) gathers its weights in every forward: with
     `synced_ranks` a rank that meets EOS first keeps running forwards until all have, instead of leaving the
-    others waiting in a gather."""
+    others waiting in a gather. `device`: where the prompt is built (generate_batch)."""
     prompts, _ = prompt_ids(tokenizer, [instruction], [input], prompt_template)
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                    synced_gpus=synced_ranks)
+                    synced_gpus=synced_ranks, device=device)
     base, reft = (decode_answers(tokenizer, generate_batch(reft_model, prompts, tokenizer.pad_token_id, position,
                                                            share_weights, num_layers, intervene,
                                                            **settings).sequences)[0][0]
@@ -108,13 +114,13 @@ def summary(answers: list[tuple[str, int, bool]]) -> dict:
             "cut_at_max_new_tokens": sum(cut for _, _, cut in answers)}
 
 
-def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int,
+def sample_answers(reft_model, tokenizer, args, position: tuple[int, int], num_layers: int, device: torch.device,
                    synced_ranks: bool = False) -> str:
-    """Build the end-of-run view: --num_sample_answers held-out instructions, base vs ReFT. `synced_ranks`: every
-    rank generates (a sharded base), in step."""
+    """Build the end-of-run view: --num_sample_answers held-out instructions, base vs ReFT, their prompts built on the
+    training `device`. `synced_ranks`: every rank generates (a sharded base), in step."""
     rows = [(instruction, *answer(reft_model, tokenizer, instruction, position, args.share_weights, num_layers,
                                   args.max_new_tokens, prompt_template=args.prompt_template,
-                                  synced_ranks=synced_ranks))
+                                  synced_ranks=synced_ranks, device=device))
             for instruction in SAMPLE_INSTRUCTIONS[: args.num_sample_answers]]
     return side_by_side(rows)
 

@@ -102,22 +102,26 @@ def safetensors_index(model_name_or_path: str, cache_dir: str | None = None,
 
 
 def load_shards(model: torch.nn.Module, model_name_or_path: str, device: torch.device,
-                cache_dir: str | None = None) -> None:
+                cache_dir: str | None = None, offload: bool = False) -> None:
     """Allocate the local shards of a model sharded on the meta device (`fully_shard`) and fill them, each
-    rank reading only its own slice of each tensor. Buffers keep the values computed at construction
-    unless the checkpoint has them. Tied parameters stay tied (one parameter, filled once). The weights of a
-    4-bit base (`quantize_empty_base`) are read whole, one at a time, and quantized (`read_quantized_rows`)."""
+    rank reading only its own slice of each tensor: on `device`, or with `offload` in CPU memory (FSDP's
+    CPUOffloadPolicy moves them to `device` for each forward). Buffers go to `device` either way (FSDP moves
+    none: a rotary table left on the CPU would be copied over at every forward), with the values computed at
+    construction unless the checkpoint has them. Tied parameters stay tied (one parameter, filled once). The
+    weights of a 4-bit base (`quantize_empty_base`) are read whole, one at a time, and quantized
+    (`read_quantized_rows`)."""
     index = checkpoint_index(model, model_name_or_path, cache_dir, "--fsdp")
     quantized = {f"{name}.weight": module for name, module in model.named_modules() if hasattr(module, "quant_storage")}
     buffers = dict(model.named_buffers())
-    model.to_empty(device=device)  # uninitialized memory for the local shards only (and the buffers)
+    shards_device = torch.device("cpu") if offload else device
+    model.to_empty(device=shards_device)  # uninitialized memory for the local shards only (and the buffers)
     place_buffers(model, buffers, index, device)
     with torch.no_grad():
         for name, parameter in model.named_parameters():  # tied parameters appear once, under their first name
             read = read_rows
             if name in quantized:
                 read = partial(read_quantized_rows, module=quantized[name], config=model.config.quantization_config,
-                               device=device)
+                               device=shards_device)
             if isinstance(parameter, DTensor):
                 local = parameter.to_local()
                 # local shape and offset of a DTensor's local part, as torch's distributed checkpoint computes them

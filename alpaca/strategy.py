@@ -21,6 +21,7 @@ base is frozen: no strategy reduces or steps it. docs/multi-gpu.md has the table
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 from collections.abc import Iterator
 
@@ -191,8 +192,7 @@ class FSDP(Strategy):
 
     def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
         shard_base_model(reft_model.model, self.device, self.offload)
-        load_shards(reft_model.model, self.model_path, torch.device("cpu") if self.offload else self.device,
-                    self.cache_dir)
+        load_shards(reft_model.model, self.model_path, self.device, self.cache_dir, offload=self.offload)
         reft_model.interventions.to(self.device)
         index_tensors_on(reft_model, self.device)
         # What DDP does at construction: every rank starts from rank 0's interventions.
@@ -213,10 +213,10 @@ class ZeRO(Strategy):
     device and each rank reads only its partitions (`partition_base`), as under FSDP."""
 
     def __init__(self, config: dict, path: str, device: torch.device, max_grad_norm: float,
-                 dtype: torch.dtype, quantization: dict | None = None) -> None:
+                 dtype: torch.dtype, quantization: dict | None = None, *, timeout: datetime.timedelta) -> None:
         zero.check_for_device(config, path, device, dtype)
         super().__init__(device, max_grad_norm, quantization=quantization)  # ZeRO-1/2 only (alpaca.args)
-        self.config = config
+        self.config, self.timeout = config, timeout  # the process group's (--ddp_timeout)
         self.shards_base = zero.stage(config) == 3
         self.layout = f"{'sharded' if self.shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(config)})"
         if self.shards_base and device.type == "cpu":
@@ -231,7 +231,8 @@ class ZeRO(Strategy):
     def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
         self.reft_model, self.optimizer = reft_model, optimizer
         self.parameter_groups = [list(group["params"]) for group in optimizer.param_groups]  # DeepSpeed swaps them
-        zero.start(self.config, reft_model.model, self.device)
+        zero.start(self.config, reft_model.model, self.device, self.timeout,
+                   trainable_elements=sum(p.numel() for group in self.parameter_groups for p in group))
         if self.shards_base:
             zero.partition_base(reft_model.model, self.model_path, self.config, self.device, self.cache_dir)
             reft_model.interventions.to(self.device)  # left on the CPU by a base built on meta
@@ -372,7 +373,8 @@ def choose_strategy(args, device: torch.device, dtype: torch.dtype, gpus: list[i
     sharded among them (8-bit under --fsdp, ZeRO-3)."""
     quantization = quantization_settings(args)
     if getattr(args, "deepspeed", None):
-        return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype, quantization)
+        return ZeRO(args.deepspeed_config, args.deepspeed, device, args.max_grad_norm, dtype, quantization,
+                    timeout=datetime.timedelta(seconds=args.ddp_timeout))
     if getattr(args, "fsdp", None):
         return FSDP(device, args.max_grad_norm, offload="offload" in args.fsdp.split(), quantization=quantization)
     device_map = (None if args.device_map is None

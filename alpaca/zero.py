@@ -28,6 +28,7 @@ bf16 under ZeRO-3). fp16 would need loss scaling, which these scripts do not run
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import itertools
 import warnings
@@ -95,27 +96,41 @@ def one_layer_parameters(model) -> int:
     return sum(parameter.numel() for parameter in decoder_layers(model)[0].parameters())
 
 
-def start(config: dict, model, device: torch.device) -> None:
-    """Prepare what DeepSpeed needs before its first call: the config's model-sized "auto" values, its view of the
-    process group, and on a CPU no compiler run."""
-    deepspeed = deepspeed_package()
+def fill_model_sized(config: dict, model, trainable_elements: int) -> None:
+    """Fill the config's model-sized "auto" values (MODEL_AUTO, and `one_layer_parameters`), and keep the reduce
+    bucket within the `trainable_elements`: DeepSpeed allocates it whole in float32, twice with overlap_comm, however
+    few gradients it holds (HF's 5e8 is 4 GB a rank for a few thousand values), and one bucket of all the
+    gradients is already a single reduction a step."""
     zero = config["zero_optimization"]
-    if device.type == "cpu":
-        # DeepSpeed's CPU backend JIT-compiles (g++) a shared-memory all-reduce as it starts, for its inference
-        # all-reduce alone, which training never calls. (Looked up by name: the attribute deepspeed.comm.torch
-        # is torch itself.)
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     for key, rule in MODEL_AUTO.items():
         if zero.get(key) == "auto":
             zero[key] = rule(model.config.get_text_config(decoder=True).hidden_size)
     if zero.get("stage3_max_reuse_distance") == "auto":
         zero["stage3_max_reuse_distance"] = one_layer_parameters(model)
+    zero["reduce_bucket_size"] = min(int(zero.get("reduce_bucket_size", trainable_elements)), trainable_elements)
+
+
+def start(config: dict, model, device: torch.device, timeout: datetime.timedelta, trainable_elements: int) -> None:
+    """Prepare what DeepSpeed needs before its first call: the config's model-sized values (`fill_model_sized`), its
+    view of the process group, whose collectives wait `timeout` (the group's, --ddp_timeout), and on a CPU no compiler
+    run."""
+    deepspeed = deepspeed_package()
+    if device.type == "cpu":
+        # DeepSpeed's CPU backend JIT-compiles (g++) a shared-memory all-reduce as it starts, for its inference
+        # all-reduce alone, which training never calls. (Looked up by name: the attribute deepspeed.comm.torch
+        # is torch itself.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    fill_model_sized(config, model, trainable_elements)
     # DeepSpeed's ZeRO-2 calls collectives under their deprecated names at every step
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed",
                             category=FutureWarning)
     deepspeed.utils.logger.setLevel("WARNING")
     # over our process group, as deepspeed.initialize does; zero.Init reads the world size from it
     deepspeed.init_distributed(deepspeed.accelerator.get_accelerator().communication_backend_name())
+    # ZeRO's collectives run on DeepSpeed's clone of the world group, which it makes with torch's default timeout
+    # (30 minutes), not the group's: made here, with it, in place of DeepSpeed's own.
+    importlib.import_module("deepspeed.utils.groups")._WORLD_GROUP = dist.new_group(
+        ranks=range(dist.get_world_size()), timeout=timeout)
 
 
 def partition_base(model, model_name_or_path: str, config: dict, device: torch.device,

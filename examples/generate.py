@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     scoring.add_argument("--resume", action="store_true", help="answer only what OUTPUT.partial/ lacks")
     scoring.add_argument("--model_max_length", type=int, default=None,
                          help="longer prompts are cut, as in training (default: the run's)")
+    scoring.add_argument("--ddp_timeout", type=int, default=1800,
+                         help="under torchrun, seconds a process may wait for the others: raise it where one "
+                              "process's share of the batches can take that much longer than another's")
     decoding = parser.add_argument_group("decoding (greedy by default)")
     decoding.add_argument("--repetition_penalty", type=float, default=None)
     decoding.add_argument("--no_repeat_ngram_size", type=int, default=None)
@@ -111,6 +114,8 @@ def validate_generation(args: argparse.Namespace) -> None:
                          "records in the --instructions_file")
     if args.per_device_batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--per_device_batch_size and --max_new_tokens must be 1 or more")
+    if args.ddp_timeout < 1:
+        raise UsageError("--ddp_timeout must be a positive number of seconds")
     if not args.do_sample and (args.temperature is not None or args.top_p is not None):
         raise UsageError("--temperature and --top_p apply to sampling; add --do_sample")
 
@@ -303,7 +308,7 @@ def answer_file_in_process_group(args: argparse.Namespace) -> None:
         torch.cuda.set_device(gpus[0])
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     # Only Python objects travel between the processes (answers, indices): gloo, on the host, whatever the device.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.ddp_timeout))
     try:
         answer_file(args, device, gpus)
     finally:  # however answering ends: what holds the group lets go of it, then it is destroyed

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from collective_ledger import check as check_ledger
 from conftest import FAULTS, deepspeed_config_file, exit_statuses, run_in_process, torchrun, training_flags
 from faults import Fault
 
@@ -141,8 +142,10 @@ def test_a_diverging_run_stops_on_every_rank(tiny_model, tiny_data, tmp_path, st
         strategy = ["--deepspeed", str(deepspeed_config_file(tmp_path, int(strategy[1])))]
     output_dir = tmp_path / "out"
     result = torchrun(2, [FAULTS, "train_multigpu.py", *training_flags(tiny_model, tiny_data, output_dir,
-                                                                       *DIVERGING, *strategy)])
+                                                                       *DIVERGING, *strategy)],
+                      env={"LEDGER": str(tmp_path / "ledger")})
     assert_stopped(exit_statuses(result.stderr), result.stderr, output_dir, first_step=2, checkpoint_step=1)
+    check_ledger(tmp_path / "ledger", 2)  # every rank's collectives in step to the end (tests/test_collectives.py)
 
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank(tiny_model, tiny_data, tmp_path):
@@ -151,9 +154,10 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank(tiny_model, tiny_data, t
     args = training_flags(tiny_model, tiny_data, output_dir, "--max_steps", "6", "--save_strategy", "steps",
                           "--save_steps", "2",
                           "--logging_steps", "1", "--num_sample_answers", "0", "--per_device_train_batch_size", "2")
-    result = torchrun(2, [FAULTS, "train_multigpu.py", *args], env={"FAULT": "inf_loss", "FAULT_STEP": "3",
-                                                                    "FAULT_RANK": "1"})
+    result = torchrun(2, [FAULTS, "train_multigpu.py", *args], env={
+        "FAULT": "inf_loss", "FAULT_STEP": "3", "FAULT_RANK": "1", "LEDGER": str(tmp_path / "ledger")})
     assert_stopped(exit_statuses(result.stderr), result.stderr, output_dir, first_step=3, checkpoint_step=2)
+    check_ledger(tmp_path / "ledger", 2)
     assert [record["loss"] for record in read_metrics(output_dir)][2] is None  # step 3's window, logged as null
 
 

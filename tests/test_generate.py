@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from collective_ledger import check as check_ledger
 from conftest import (
+    FAULTS,
     LAYERS,
     REPO,
     disk_map,
@@ -311,8 +313,11 @@ def test_two_processes_killed_and_resumed_write_one_process_s_file(runs, eval_fi
         log.write('{"index": 0, "outp')  # a line a kill cut short
     status, _, stderr = run_in_process(GENERATE, [*flags, "--resume", "--max_new_tokens", "7"])
     assert status == 2 and "was made with other settings (max_new_tokens)" in stderr
-    resumed = torchrun(2, ["examples/generate.py", *flags, "--resume"])
+    # rank 0 waits for rank 1's last batch: its collectives recorded, in step, each waiting --ddp_timeout
+    resumed = torchrun(2, [FAULTS, GENERATE, *flags, "--resume", "--ddp_timeout", "45"],
+                       env={"LEDGER": str(tmp_path / "ledger")})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    check_ledger(tmp_path / "ledger", 2, timeout_s=45, device="cpu")  # its group carries host objects
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert two[first["index"]]["output"] == "KEPT"
     two[first["index"]]["output"] = one[first["index"]]["output"]
