@@ -164,17 +164,18 @@ def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
 
 
 def save_output(reft_model, metrics, output_dir: str | os.PathLike, finished: dict) -> None:
-    """Write the run's final output: the interventions (pyreft's format), the closed metrics log and loss.png; then,
-    renamed into place after them, the record that the run finished (alpaca.resume.finished_record)."""
+    """Write the run's final output: the interventions (pyreft's format) and the closed metrics log; then, renamed into
+    place after them, the record that the run finished (alpaca.resume.finished_record); last loss.png, drawn from the
+    metrics, which a failure to draw cannot lose."""
     with storage_errors(f"writing the output to {output_dir}", output_dir):
         save_interventions(reft_model, output_dir)
         metrics.close()
-        plot_loss(output_dir)
         staging = Path(output_dir) / f".{FINISHED_FILE}.staging-{os.getpid()}"
         with open(staging, "wb") as file:
             file.write(json.dumps(finished, indent=2).encode())
             os.fsync(file.fileno())
         os.replace(staging, Path(output_dir) / FINISHED_FILE)
+        plot_loss(output_dir)
 
 
 def tensor_bytes(state: dict) -> bytes:

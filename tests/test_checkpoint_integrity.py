@@ -22,9 +22,11 @@ from conftest import (
     intervention_weights,
     run_in_process,
     torchrun,
+    training_flags,
 )
 from faults import Fault
 
+import alpaca.checkpoint
 from alpaca.checkpoint import checkpoints, is_complete, latest_checkpoint, load_checkpoint, tensor_bytes
 from alpaca.errors import UsageError
 from alpaca.manifest import MANIFEST, sha256
@@ -195,6 +197,20 @@ def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_
                                                              "checkpoint-8"]
     assert not list(tmp_path.glob("intkey_*.bin")) and not list(tmp_path.glob(".staging*"))
     assert not (tmp_path / FINISHED_FILE).exists()
+
+
+def test_a_failed_plot_leaves_a_finished_output(tiny_model, tiny_data, tmp_path, monkeypatch):
+    """loss.png, drawn from the metrics, comes after the output and the record that the run finished: a plot that
+    fails loses nothing, and a requeue finds the run finished."""
+    def plot_fails(directory) -> None:
+        raise RuntimeError("injected: the plot fails")
+
+    monkeypatch.setattr(alpaca.checkpoint, "plot_loss", plot_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_in_process("train.py", training_flags(tiny_model, tiny_data, tmp_path, "--max_steps", "2",
+                                                  "--num_sample_answers", "0"))
+    assert json.loads((tmp_path / FINISHED_FILE).read_text())["step"] == 2
+    assert list(tmp_path.glob("intkey_*.bin")) and (tmp_path / "metrics.jsonl").exists()
 
 
 def test_loading_a_trained_output_never_runs_code(tiny_model, tmp_path, killed_run):
