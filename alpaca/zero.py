@@ -128,7 +128,7 @@ def start(config: dict, model, device: torch.device, timeout: datetime.timedelta
     # over our process group, as deepspeed.initialize does; zero.Init reads the world size from it
     deepspeed.init_distributed(deepspeed.accelerator.get_accelerator().communication_backend_name())
     # ZeRO's collectives run on DeepSpeed's clone of the world group, which it makes with torch's default timeout
-    # (30 minutes), not the group's: made here, with it, in place of DeepSpeed's own.
+    # for the backend, not the group's: made here, with the group's, in place of DeepSpeed's own.
     importlib.import_module("deepspeed.utils.groups")._WORLD_GROUP = dist.new_group(
         ranks=range(dist.get_world_size()), timeout=timeout)
 
