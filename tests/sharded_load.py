@@ -110,7 +110,7 @@ try:
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}}
         partitioned = empty_base_model(model_dir, torch.float32, reader="ZeRO-3")
         build_reft_model(partitioned, "1", (1, 1), False, low_rank_dimension=2)
-        start(config, partitioned, cpu)
+        start(config, partitioned, cpu, datetime.timedelta(minutes=5), trainable_elements=1)
         read_before = read_count.bytes_read()
         partition_base(partitioned, model_dir, config, cpu)
         read = read_count.bytes_read() - read_before
