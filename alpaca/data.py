@@ -203,22 +203,27 @@ def read_local_records(path: str, flag: str, data_format: str = "auto") -> list[
     return [{**other, **record} for other, record in zip(others, records)] if others.column_names else records
 
 
+def check_conversation(messages, where: str, last_roles: tuple[str, ...] = ("assistant",)) -> None:
+    """Check that `messages` is a list of messages with string `role` and `content`, the last from one of
+    `last_roles` (the assistant's to train on, the user's to answer); `where` names the record in its file."""
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where} has no non-empty {CONVERSATION_FIELD!r} list, which every record of a file of "
+                         "conversations needs (conversations and Alpaca records do not mix)")
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise UsageError(f"{where}: every message needs a string 'role' and 'content', got {message!r:.80}")
+    if messages[-1]["role"] not in last_roles:
+        turns = " or the ".join(f"{role}'s" for role in last_roles)
+        raise UsageError(f"{where} ends with a {messages[-1]['role']!r} message; it should end with the {turns} "
+                         "turn")
+
+
 def check_conversations(records: list[dict], source: str, last_role: str = "assistant") -> None:
-    """Check that every record is a list of messages with string `role` and `content`, the last from `last_role` (the
-    assistant's to train on, the user's to answer)."""
+    """Check every record of `source` (check_conversation), each named by its index in the file."""
     for index, record in enumerate(records):
         messages = record.get(CONVERSATION_FIELD) if isinstance(record, dict) else None
-        where = f"record {index} of {source}"
-        if not isinstance(messages, list) or not messages:
-            raise UsageError(f"{where} has no non-empty {CONVERSATION_FIELD!r} list, which every record of a file "
-                             "of conversations needs (conversations and Alpaca records do not mix)")
-        for message in messages:
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise UsageError(f"{where}: every message needs a string 'role' and 'content', got {message!r:.80}")
-        if messages[-1]["role"] != last_role:
-            raise UsageError(f"{where} ends with a {messages[-1]['role']!r} message; it should end with the "
-                             f"{last_role}'s turn")
+        check_conversation(messages, f"record {index} of {source}", (last_role,))
 
 
 def check_records(records: list[dict], source: str) -> None:
