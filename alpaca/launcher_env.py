@@ -35,7 +35,9 @@ def spare_cores() -> int:
     """Return the cores this process can spare for work of its own (tokenizing): those it may run on, shared with the
     node's other processes of the launch (LOCAL_WORLD_SIZE, torchrun's), at least 1."""
     local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, len(os.sched_getaffinity(0)) // local_processes)
+    # the CPUs this process may run on (a job scheduler's share); macOS knows only the machine's count
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local_processes)
 
 
 def is_main_process() -> bool:
