@@ -210,8 +210,8 @@ def bare_instructions_listed(path: str) -> bool:
 def conversation_to_answer(messages, where: str) -> tuple[list[dict], dict | None]:
     """Return a conversation's turns to answer and the answer it holds. One that ends with the assistant's turn is one
     training takes (checked with training's words): it is answered from exactly the prompt training gives it, every
-    turn before that one (a tool's, an assistant's, a system prompt), which is its reference. Any other must end
-    with the user's turn, and has no reference."""
+    turn before its last (whoever's: a tool's, an assistant's, a system prompt), and that last turn is its
+    reference. Any other must end with the user's turn, and has no reference."""
     if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
             and messages[-1].get("role") == "assistant":
         check_conversation(messages, where)
