@@ -93,8 +93,6 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    flag = parser.add_argument
-
     group = parser.add_argument_group("model")
     flag = group.add_argument
     flag("--model_name_or_path", default=EMBEDDED_MODEL,
@@ -145,6 +143,8 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--packing_max_tokens", type=int, default=None,
          help="with --packing, the tokens of a micro-batch at most (at least --model_max_length); default: "
               "--per_device_train_batch_size x --model_max_length, a padded micro-batch at its widest")
+    flag("--preprocessing_num_workers", type=int, default=None, help="processes that tokenize the records (datasets' "
+         "num_proc; the same tokens and cache whatever N); default: the cores a rank can spare, 1 per 10,000 records")
     flag("--dataloader_num_workers", type=int, default=None,
          help="DataLoader worker processes that collate batches ahead of the step; default: 2 on CUDA, 0 on CPU")
 
@@ -250,6 +250,7 @@ NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
     "eval_split_ratio": (lambda ratio: 0 < ratio < 1, "in (0, 1), e.g. 0.05"),
     "pad_to_multiple_of": (lambda multiple: multiple > 0, "a positive integer"),
     "dataloader_num_workers": (lambda workers: workers >= 0, "0 or more"),
+    "preprocessing_num_workers": (lambda workers: workers >= 1, "1 or more"),
     "packing_max_tokens": (lambda tokens: tokens > 0, "a positive integer"),
     "rank": (lambda rank: rank > 0, "a positive integer"),
     "dropout": (lambda p: 0 <= p < 1, "in [0, 1)"),

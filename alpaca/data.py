@@ -26,6 +26,7 @@ from alpaca.constants import (
 )
 from alpaca.data_files import read_dataset
 from alpaca.errors import UsageError
+from alpaca.launcher_env import spare_cores
 from alpaca.manifest import cache_root, cached_directory
 
 # The Stanford Alpaca templates, verbatim.
@@ -203,22 +204,27 @@ def read_local_records(path: str, flag: str, data_format: str = "auto") -> list[
     return [{**other, **record} for other, record in zip(others, records)] if others.column_names else records
 
 
+def check_conversation(messages, where: str, last_roles: tuple[str, ...] = ("assistant",)) -> None:
+    """Check that `messages` is a list of messages with string `role` and `content`, the last from one of
+    `last_roles` (the assistant's to train on, the user's to answer); `where` names the record in its file."""
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where} has no non-empty {CONVERSATION_FIELD!r} list, which every record of a file of "
+                         "conversations needs (conversations and Alpaca records do not mix)")
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise UsageError(f"{where}: every message needs a string 'role' and 'content', got {message!r:.80}")
+    if messages[-1]["role"] not in last_roles:
+        turns = " or the ".join(f"{role}'s" for role in last_roles)
+        raise UsageError(f"{where} ends with a {messages[-1]['role']!r} message; it should end with the {turns} "
+                         "turn")
+
+
 def check_conversations(records: list[dict], source: str, last_role: str = "assistant") -> None:
-    """Check that every record is a list of messages with string `role` and `content`, the last from `last_role` (the
-    assistant's to train on, the user's to answer)."""
+    """Check every record of `source` (check_conversation), each named by its index in the file."""
     for index, record in enumerate(records):
         messages = record.get(CONVERSATION_FIELD) if isinstance(record, dict) else None
-        where = f"record {index} of {source}"
-        if not isinstance(messages, list) or not messages:
-            raise UsageError(f"{where} has no non-empty {CONVERSATION_FIELD!r} list, which every record of a file "
-                             "of conversations needs (conversations and Alpaca records do not mix)")
-        for message in messages:
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise UsageError(f"{where}: every message needs a string 'role' and 'content', got {message!r:.80}")
-        if messages[-1]["role"] != last_role:
-            raise UsageError(f"{where} ends with a {messages[-1]['role']!r} message; it should end with the "
-                             f"{last_role}'s turn")
+        check_conversation(messages, f"record {index} of {source}", (last_role,))
 
 
 def check_records(records: list[dict], source: str) -> None:
@@ -282,8 +288,21 @@ def load_training_splits(args: argparse.Namespace):
 def tokenize_splits(splits, tokenizer, args: argparse.Namespace) -> list:
     """Tokenize each of `splits` (records, or None) as the flags say (prepare_dataset); None stays None."""
     return [None if records is None
-            else prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template)
+            else prepare_dataset(records, tokenizer, args.model_max_length, args.cache_dir, args.prompt_template,
+                                 tokenizing_processes(args.preprocessing_num_workers, len(records)))
             for records in splits]
+
+
+RECORDS_PER_PROCESS = 10_000  # fewer records a process: starting it costs about what it saves
+
+
+def tokenizing_processes(requested: int | None, records: int) -> int:
+    """Return how many processes tokenize `records` records: --preprocessing_num_workers, or by default the cores this
+    rank can spare (alpaca.launcher_env.spare_cores), one a RECORDS_PER_PROCESS records at most; one where it can
+    spare 2 or fewer, whose batches the fast tokenizer's own threads already spread over them (2 processes
+    tokenized Alpaca records 0.7x as fast on 2 cores: benchmarks/RESULTS.md)."""
+    spare = spare_cores()
+    return requested or (1 if spare <= 2 else max(1, min(spare, records // RECORDS_PER_PROCESS)))
 
 
 def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ratio: float | None = None,
@@ -309,14 +328,15 @@ def load_splits(data_path: str, eval_data_path: str | None = None, eval_split_ra
     return records, eval_records
 
 
-def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "alpaca"):
+def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "alpaca", num_proc: int = 1):
     """Add `input_ids` (prompt + answer + eos, truncated), `prompt_length` and `length`; drop examples left
     without any answer token. Prompt and answer are tokenized separately, so the prompt tokens are
     exactly those the model sees at generation time.
 
     With a chat template every record is a conversation (an Alpaca record one of two turns: record_conversation),
     tokenized by conversation_tokens, and `label_spans` marks its earlier assistant turns; a conversation longer
-    than `model_max_length` loses whole turns from its end first (fit_conversation)."""
+    than `model_max_length` loses whole turns from its end first (fit_conversation). `num_proc` processes tokenize
+    a contiguous share each (datasets' map), the same tokens in the same order as one."""
     if CONVERSATION_FIELD in dataset.column_names and prompt_template != "chat":
         raise UsageError("conversation records ('messages') are rendered by the model's chat template: add "
                          "--prompt_template chat")
@@ -340,7 +360,7 @@ def tokenize(dataset, tokenizer, model_max_length: int, prompt_template: str = "
 
     tokenized = dataset.map(
         tokenize_batch, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-        desc="Tokenizing", load_from_cache_file=True,
+        desc="Tokenizing", load_from_cache_file=True, num_proc=num_proc if num_proc > 1 else None,
     )
     if "turns_left_out" in tokenized.column_names:
         left_out = np.array(tokenized["turns_left_out"])
@@ -391,12 +411,13 @@ def _dataset_fingerprint(records, tokenizer, model_max_length: int, prompt_templ
 
 
 def prepare_dataset(records, tokenizer, model_max_length: int, cache_dir: str | None = None,
-                    prompt_template: str = "alpaca"):
-    """Turn records into a tokenized dataset, cached on disk so that later runs (and the other ranks of this run)
-    load it in a second instead of tokenizing again. The cache is checked against its manifest when read, and
-    tokenized again if it is damaged."""
+                    prompt_template: str = "alpaca", num_proc: int = 1):
+    """Turn records into a tokenized dataset (in `num_proc` processes), cached on disk so that later runs (and the
+    other ranks of this run) load it in a second instead of tokenizing again; the key does not depend on
+    `num_proc`, which changes no token. The cache is checked against its manifest when read, and tokenized again if
+    it is damaged."""
     def build(directory: Path) -> None:
-        tokenize(records, tokenizer, model_max_length, prompt_template).save_to_disk(str(directory))
+        tokenize(records, tokenizer, model_max_length, prompt_template, num_proc).save_to_disk(str(directory))
 
     fingerprint = _dataset_fingerprint(records, tokenizer, model_max_length, prompt_template)
     path = cached_directory(cache_root(cache_dir) / "tokenized" / fingerprint, build, "the tokenized data")

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
 
 import datasets
+import fsspec
 import pandas
 
-from alpaca.data_source import ACCEPTED, DataSource, data_source
+from alpaca.data_source import ACCEPTED, DataSource, data_source, file_loader
 from alpaca.errors import UsageError
 
 
@@ -24,17 +30,82 @@ def datasets_logging_quiet():
         datasets.logging.set_verbosity(verbosity)
 
 
-def load_files(source: DataSource) -> datasets.DatasetDict:
-    """Load data files, as they are, through `datasets`' packaged loader. A CSV's cells are read as the text they are
-    ("007" stays "007", an empty cell ""), as in a JSON file of strings."""
+# A line that is JSON's null alone (after a byte-order mark, between blanks): pyarrow's JSON reader, which datasets'
+# json loader runs first, crashes the process (a segmentation fault) on a block that starts with one.
+NULL_LINE = re.compile(rb"^(?:\xef\xbb\xbf)?[ \t\r]*null[ \t\r]*$", re.MULTILINE)
+
+
+def null_line(path: str) -> int | None:
+    """Return the number of the first line of a (possibly compressed) JSON file that is null alone, or None; read in
+    blocks of whole lines, so a file of any size is scanned at the disk's pace."""
+    with fsspec.open(path, "rb", compression="infer") as file:
+        lines_before, tail = 0, b""
+        while True:
+            chunk = file.read(1 << 24)
+            block = tail + chunk
+            complete = block[: block.rfind(b"\n") + 1] if chunk else block
+            match = NULL_LINE.search(complete)
+            if match:
+                return lines_before + complete.count(b"\n", 0, match.start()) + 1
+            if not chunk:
+                return None
+            lines_before, tail = lines_before + complete.count(b"\n"), block[len(complete) :]
+
+
+def as_itself(path: str) -> str:
+    """Return a name under which datasets reads `path` as itself: `path`, or where it holds a colon (fsspec's
+    protocol, `::` its URL chaining), a link to it in the temporary directory, named by the path (the same for
+    every process of a run, made atomically)."""
+    if ":" not in path:
+        return path
+    target = os.path.abspath(path)
+    link = Path(tempfile.gettempdir(), "reft-alpaca-links", hashlib.sha256(target.encode()).hexdigest()[:16],
+                os.path.basename(target).replace(":", "_"))
+    if not (link.is_symlink() and os.readlink(link) == target):
+        link.parent.mkdir(parents=True, exist_ok=True)
+        staging = link.with_name(f".{link.name}.{os.getpid()}")
+        staging.unlink(missing_ok=True)
+        staging.symlink_to(target)
+        staging.replace(link)
+    return str(link)
+
+
+def directory_files(flag: str, path: str) -> tuple[DataSource, dict[str, list[str]]]:
+    """Find the data files of a local directory by split, as datasets' load_dataset(directory) finds them (its split
+    names: train, test, ...), for a directory whose name datasets would misread (glob characters, a colon)."""
+    base = glob.escape(as_itself(path))
+    try:
+        patterns = datasets.data_files.get_data_patterns(base)
+    except datasets.data_files.EmptyDatasetError:
+        raise UsageError(f"{flag} {path!r} holds no data files; pass {ACCEPTED}") from None
+    splits = {str(split): list(files)
+              for split, files in datasets.data_files.DataFilesDict.from_patterns(patterns, base_path=base).items()}
+    files = tuple(file for split in splits.values() for file in split)
+    loaders = {file_loader(flag, file) for file in files}
+    if len(loaders) > 1:
+        raise UsageError(f"{flag} {path!r} holds files of several kinds ({', '.join(sorted(loaders))}); pass files "
+                         "of one kind")
+    return DataSource("files", path, loaders.pop(), files), splits
+
+
+def load_files(source: DataSource, flag: str, splits: dict[str, list[str]] | None = None) -> datasets.DatasetDict:
+    """Load data files, as they are, through `datasets`' packaged loader: every file as the split 'train', or the files
+    of each of `splits`. A CSV's cells are read as the text they are ("007" stays "007", an empty cell ""), as in a
+    JSON file of strings. A JSON file with a line of null alone is refused (null_line)."""
+    splits = splits or {"train": list(source.files)}
+    for file in source.files if source.loader == "json" else ():
+        line = null_line(as_itself(file))
+        if line is not None:
+            raise UsageError(f"{flag} {source.path!r}: line {line} of {file} is null, not a record (a JSON "
+                             "object); remove it, or write the record there")
     # datasets reads each of data_files as a pattern: escaped, a file named data[1].json is that file
-    files = [glob.escape(file) for file in source.files]
+    data_files = {split: [glob.escape(as_itself(file)) for file in files] for split, files in splits.items()}
     if source.loader != "csv":
-        return datasets.load_dataset(source.loader, data_files=files)
+        return datasets.load_dataset(source.loader, data_files=data_files)
     # The columns as datasets' csv loader (pandas.read_csv) names them: after a byte-order mark, inside a .csv.gz,
     # an unnamed index column written by pandas as 'Unnamed: 0'.
-    columns = pandas.read_csv(source.files[0], nrows=0).columns
-    return datasets.load_dataset("csv", data_files=files, keep_default_na=False,
+    columns = pandas.read_csv(as_itself(source.files[0]), nrows=0).columns
+    return datasets.load_dataset("csv", data_files=data_files, keep_default_na=False,
                                  features=datasets.Features({column: datasets.Value("string") for column in columns}))
 
 
@@ -51,9 +122,14 @@ def read_dataset(path: str, flag: str, split: str | None = "train", config: str 
             if source.kind == "saved":
                 loaded = datasets.load_from_disk(path)
             elif source.kind == "files":
-                loaded = load_files(source)
+                loaded = load_files(source, flag)
+            elif source.kind == "directory" and (glob.has_magic(path) or ":" in path):
+                files, splits = directory_files(flag, path)
+                loaded = load_files(files, flag, splits)
             else:
                 loaded = datasets.load_dataset(path, config)
+    except UsageError:
+        raise
     except StopIteration:  # datasets' json loader, on files without a line (it takes the columns from the first)
         raise no_records from None
     except (datasets.exceptions.DatasetsError, ValueError, OSError, UnicodeDecodeError) as error:

@@ -37,8 +37,13 @@ def way_on(output_dir: str | os.PathLike, resumed_from: Path | None, diverged_st
     """Say where a diverged run goes on at a lower learning rate: its newest intact checkpoint from before the diverged
     step (a newer one is an abandoned run's); where that is the one the run itself resumed from, the intact one before
     it, as the weights it holds may be what diverges (a step with a finite loss can send them to ~1e30, the next one's
-    loss is NaN); else anew."""
+    loss is NaN); else anew. The checkpoints are output_dir's and, for a run resumed from another directory, those of
+    that directory up to the one it resumed from (the later ones are that run's, not this one's past)."""
     kept = [path for path in checkpoints(output_dir) if step_of(path) < diverged_step and is_complete(path)]
+    if resumed_from is not None and Path(resumed_from).parent.resolve() != Path(output_dir).resolve():
+        earlier = [path for path in checkpoints(Path(resumed_from).parent)
+                   if step_of(path) <= step_of(Path(resumed_from)) and is_complete(path)]
+        kept = sorted(earlier + kept, key=step_of)  # stable: at one step, output_dir's is the newer
     if not kept:
         return f"no checkpoint was saved before it: train again with a lower --learning_rate and {ANEW}"
     newest = kept[-1]

@@ -31,6 +31,15 @@ def exit_if_launched_on_several_processes(prog: str) -> None:
                  f"on one device. Use: torchrun --nproc_per_node {world_size} train_multigpu.py <same flags>")
 
 
+def spare_cores() -> int:
+    """Return the cores this process can spare for work of its own (tokenizing): those it may run on, shared with the
+    node's other processes of the launch (LOCAL_WORLD_SIZE, torchrun's), at least 1."""
+    local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # the CPUs this process may run on (a job scheduler's share); macOS knows only the machine's count
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local_processes)
+
+
 def is_main_process() -> bool:
     """Tell whether this is rank 0, or not distributed. Every rank parses and validates; rank 0 reports a mistake."""
     return os.environ.get("RANK", "0") == "0"

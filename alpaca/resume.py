@@ -125,10 +125,10 @@ NOT_BOUND = (
     # its newest checkpoint at a lower one; the schedule's shape and warmup stay bound
     "learning_rate",
     # how a step is computed, not what: placement and strategy (a DDP checkpoint resumes under FSDP, ZeRO or a
-    # device map), kernels, recomputation, padding, packing and loading of the same global batch
+    # device map), kernels, recomputation, padding, packing, tokenizing and loading of the same global batch
     "device_map", "max_memory", "offload_folder", "ddp_backend", "ddp_timeout", "fsdp", "deepspeed",
     "attn_implementation", "torch_compile", "optim", "gradient_checkpointing", "pad_to_multiple_of", "packing",
-    "packing_max_tokens", "dataloader_num_workers",
+    "packing_max_tokens", "dataloader_num_workers", "preprocessing_num_workers",
     "remove_unused_columns",  # accepted for pyreft's command line, and ignored
 )
 # Bound, but not as given: the global batch these make up with the world size (whose split may change), the

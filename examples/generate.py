@@ -134,8 +134,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from alpaca.checkpoint import step_of
 from alpaca.constants import CONVERSATION_FIELD, HELD_OUT_FILE
-from alpaca.data import check_conversations, read_local_records
+from alpaca.data import check_conversation, check_conversations, read_local_records
 from alpaca.data_source import data_file_loader
 from alpaca.device_map import DeviceMap, local_rank_gpus
 from alpaca.distributed import let_go_of_process_group, main_rank_result, run_checked
@@ -155,23 +156,41 @@ from alpaca.output import ARGS_FILE, load_reft_model, quiet_non_main_rank
 RUN_SETTINGS = ("model_name_or_path", "position", "share_weights", "prompt_template", "model_max_length")
 
 
-def run_file(directory: str, name: str, fix: str) -> Path:
-    """Find a file a training run wrote, in its output_dir or beside a checkpoint-<step> of it (its parent)."""
-    for candidate in (Path(directory) / name, Path(directory).parent / name):
-        if candidate.is_file():
-            return candidate
-    raise UsageError(f"{directory!r} has no {name}{fix}")
+def run_directory(reft_dir: str) -> Path:
+    """Return the output_dir of the run --reft_dir names: itself, or the parent of a checkpoint-<step>."""
+    return Path(reft_dir).parent if step_of(Path(reft_dir)) >= 0 else Path(reft_dir)
 
 
 def run_settings(directory: str) -> dict:
-    """Read the flags a run was trained with (training_args.json, in the output_dir or next to a checkpoint)."""
-    path = run_file(directory, ARGS_FILE, "; pass an output_dir written by train.py")
+    """Read the flags a run was trained with: the training_args.json of `directory`, or of its run (run_directory)."""
+    path = next((path for path in (Path(directory) / ARGS_FILE, run_directory(directory) / ARGS_FILE)
+                 if path.is_file()), None)
+    if path is None:
+        problem = "has no " + ARGS_FILE if Path(directory).is_dir() else "does not exist: there is no such run"
+        raise UsageError(f"--reft_dir {directory!r} {problem}; pass an output_dir written by train.py (or a "
+                         "checkpoint-<step> in it)")
     settings = json.loads(path.read_text())
     missing = [name for name in RUN_SETTINGS if name not in settings]
     if missing:
         raise UsageError(f"{str(path)!r} records no {', '.join(missing)}: it was not written by this train.py; "
                          "train the run again")
     return settings
+
+
+def held_out_file(reft_dir: str) -> Path:
+    """Return the held_out.jsonl the run --reft_dir names wrote (--eval_split_ratio), and only that run's: not a file
+    of that name further up (a user's own, another run's)."""
+    run = run_directory(reft_dir)
+    ratio = run_settings(str(run)).get("eval_split_ratio")
+    if ratio is None:
+        raise UsageError(f"--held_out: the run {str(run)!r} was trained without --eval_split_ratio, so it held no "
+                         "records out; pass the records to answer as --instructions_file, or train with "
+                         "--eval_split_ratio 0.05")
+    if not (run / HELD_OUT_FILE).is_file():
+        raise UsageError(f"--held_out: the run {str(run)!r} was trained with --eval_split_ratio {ratio} by a "
+                         f"train.py from before it wrote the held-out records to {HELD_OUT_FILE}; train it again, "
+                         "or pass those records as --instructions_file")
+    return run / HELD_OUT_FILE
 
 
 def read_conversations(path: str) -> list[list[dict]]:
@@ -193,41 +212,42 @@ def bare_instructions_listed(path: str) -> bool:
     return isinstance(listed, list) and any(isinstance(item, str) for item in listed)
 
 
-def split_reference(messages):
-    """Return a conversation's turns to answer and the answer it holds: its last turn, where that is the assistant's
-    (a conversation as training reads it), else None."""
+def conversation_to_answer(messages, where: str) -> tuple[list[dict], dict | None]:
+    """Return a conversation's turns to answer and the answer it holds. One that ends with the assistant's turn is one
+    training takes (checked with training's words): it is answered from exactly the prompt training gives it, every
+    turn before its last (whoever's: a tool's, an assistant's, a system prompt), and that last turn is its
+    reference. Any other must end with the user's turn, and has no reference."""
     if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
             and messages[-1].get("role") == "assistant":
+        check_conversation(messages, where)
         return messages[:-1], messages[-1]
+    check_conversation(messages, where, ("assistant", "user"))
     return messages, None
 
 
-def read_instructions(path: str) -> list[dict]:
-    """Read the records of --instructions_file, in order, as {instruction, input, dataset, reference}: `instruction` a
-    string or a conversation (its messages up to the user's last turn); `reference` the answer the record holds (an
-    Alpaca record's output, a conversation's last turn where it is the assistant's), else None. Read as training
-    reads its records (any container and record format --data_path takes); a file of another kind (.txt) holds one
-    instruction a line."""
+def read_instructions(path: str, flag: str = "--instructions_file") -> list[dict]:
+    """Read the records of `path` (the file of `flag`: --instructions_file, or --held_out's), in order, as
+    {instruction, input, dataset, reference}: `instruction` a string or a conversation (conversation_to_answer);
+    `reference` the answer the record holds (an Alpaca record's output, a conversation's last turn where it is the
+    assistant's), else None. Read as training reads its records (any container and record format --data_path
+    takes); a file of another kind (.txt) holds one instruction a line. A fault names the record's index in the
+    file."""
     if bare_instructions_listed(path):
         records = json.loads(Path(path).read_text(encoding="utf-8"))
     elif not Path(path).is_file() or data_file_loader(path):
-        records = read_local_records(path, "--instructions_file")
+        records = read_local_records(path, flag)
     else:
         try:
             records = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as error:
-            raise UsageError(f"cannot read --instructions_file {path!r}: {error}") from None
-    conversations = [split_reference(record[CONVERSATION_FIELD]) for record in records
-                     if isinstance(record, dict) and CONVERSATION_FIELD in record]
-    source = f"--instructions_file {path!r}"
-    check_conversations([{CONVERSATION_FIELD: turns} for turns, _ in conversations], source, last_role="user")
-    check_conversations([{CONVERSATION_FIELD: [reference]} for _, reference in conversations if reference], source)
+            raise UsageError(f"cannot read {flag} {path!r}: {error}") from None
+    source = f"{flag} {path!r}"
     items = []
     for index, record in enumerate(records):
         if isinstance(record, str):
             record = {"instruction": record}
         if isinstance(record, dict) and CONVERSATION_FIELD in record:
-            turns, reference = split_reference(record[CONVERSATION_FIELD])
+            turns, reference = conversation_to_answer(record[CONVERSATION_FIELD], f"record {index} of {source}")
             record = {**record, "instruction": turns, "input": "", "output": reference and reference["content"]}
         elif not (isinstance(record, dict) and isinstance(record.get("instruction"), str)
                   and all(isinstance(record.get(field) or "", str) for field in ("input", "output"))):
@@ -240,11 +260,15 @@ def read_instructions(path: str) -> list[dict]:
     return items
 
 
+def records_flag(args: argparse.Namespace) -> str:
+    """Return the flag that named the file of records to answer, as its errors name it."""
+    return "--held_out" if args.held_out else "--instructions_file"
+
+
 def main(args: argparse.Namespace) -> None:
     try:
         if args.held_out:
-            args.instructions_file = str(run_file(args.reft_dir, HELD_OUT_FILE,
-                                                  "; train with --eval_split_ratio to hold records out"))
+            args.instructions_file = str(held_out_file(args.reft_dir))
         if args.output_file:
             answer_file_in_process_group(args)
         else:
@@ -272,7 +296,7 @@ def generate(args: argparse.Namespace) -> None:
     settings = [run_settings(run) for run in runs]
     items = [{"instruction": instruction, "input": ""} for instruction in args.instruction]
     if args.instructions_file:
-        items += read_instructions(args.instructions_file)
+        items += read_instructions(args.instructions_file, records_flag(args))
     if args.conversations_file:
         items += [{"instruction": messages, "input": ""} for messages in read_conversations(args.conversations_file)]
     items = items or [{"instruction": instruction, "input": ""} for instruction in SAMPLE_INSTRUCTIONS]
@@ -342,7 +366,8 @@ def answer_file(args: argparse.Namespace, host: torch.device, gpus: list[int]) -
     if not is_main:
         quiet_non_main_rank()
     settings = run_checked(lambda: run_settings(args.reft_dir), participate=True, device=cpu)
-    items = run_checked(lambda: read_instructions(args.instructions_file), participate=True, device=cpu)
+    items = run_checked(lambda: read_instructions(args.instructions_file, records_flag(args)), participate=True,
+                        device=cpu)
     args.model_max_length = args.model_max_length or settings["model_max_length"]
     partial = Path(args.output_file + ".partial")
     records = hashlib.sha256(json.dumps(items).encode()).hexdigest()

@@ -4,11 +4,14 @@ one-line notice, never a traceback; concurrent first runs on one cache share it.
 import json
 import multiprocessing
 
+import datasets
 from conftest import build_tiny_model, copy_as_killed, disk_map, run_in_process, training_flags, write_records
 
 import alpaca.data
+import alpaca.launcher_env
 import alpaca.model
-from alpaca.data import load_records, prepare_dataset, tokenize
+from alpaca.args import build_parser
+from alpaca.data import load_records, prepare_dataset, tokenize, tokenize_splits, tokenizing_processes
 from alpaca.manifest import MANIFEST, directory_problem, write_manifest
 from alpaca.model import embedded_model_dir
 
@@ -160,3 +163,37 @@ def test_a_default_model_converted_in_an_earlier_format_is_converted_again_and_i
     assert status == 0, stderr[-3000:]
     assert "disk: 2 modules" in stdout and "building it again" not in stderr
 
+
+
+def test_two_tokenizing_processes_give_one_s_tokens_and_cache(tokenizer, chat_tokenizer, tiny_data, tmp_path,
+                                                              monkeypatch):
+    """--preprocessing_num_workers 2 tokenizes Alpaca records and conversations (several turns, labelled spans) into
+    the very columns one process makes, in order, under the same cache key: a run with 2 reads the cache a run
+    with 1 wrote. The flag reaches the tokenizer; by default a rank takes its share of the node's cores
+    (LOCAL_WORLD_SIZE), one process a 10,000 records at most, and one process where that share is 2 or fewer."""
+    records = load_records(str(tiny_data))
+    conversations = datasets.Dataset.from_dict({"messages": [
+        [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}] * (1 + i % 2)
+        for i, r in enumerate(records)]})
+    for data, tokenizer_, template in ((records, tokenizer, "alpaca"), (conversations, chat_tokenizer, "chat")):
+        one = tokenize(data, tokenizer_, 512, template).to_dict()
+        assert tokenize(data, tokenizer_, 512, template, num_proc=2).to_dict() == one and len(one["input_ids"]) > 2
+    cached = prepare_dataset(records, tokenizer, 512, str(tmp_path), num_proc=1)
+    [cache] = (tmp_path / "tokenized").iterdir()
+    written = {path.name: path.stat().st_mtime_ns for path in cache.iterdir()}
+    assert prepare_dataset(records, tokenizer, 512, str(tmp_path), num_proc=2)[:] == cached[:]
+    assert list((tmp_path / "tokenized").iterdir()) == [cache]  # the same key: read, not written again
+    assert {path.name: path.stat().st_mtime_ns for path in cache.iterdir()} == written
+
+    asked = []
+    monkeypatch.setattr(alpaca.data, "prepare_dataset", lambda *args: asked.append(args[-1]))
+    args = build_parser("train.py").parse_args(["--preprocessing_num_workers", "2"])
+    tokenize_splits([records, None], tokenizer, args)
+    monkeypatch.setattr(alpaca.launcher_env.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    args.preprocessing_num_workers = None
+    tokenize_splits([records], tokenizer, args)
+    assert asked == [2, 1]
+    assert [tokenizing_processes(None, count) for count in (9_999, 30_000, 1_000_000)] == [1, 3, 4]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 cores a rank: the tokenizer's own threads use them
+    assert tokenizing_processes(None, 1_000_000) == 1 and tokenizing_processes(3, 10) == 3

@@ -7,6 +7,7 @@ import gzip
 import importlib
 import json
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -136,6 +137,46 @@ def test_a_file_whose_name_holds_glob_characters_is_that_file(tmp_path):
     (tmp_path / "data1.json").unlink()
     assert data_source("--data_path", literal).files == (literal,)
     assert load_records(literal)["instruction"] == [r["instruction"] for r in records[:2]]
+
+
+@pytest.mark.fast
+def test_a_directory_or_file_whose_name_datasets_would_misread_is_read_as_itself(tmp_path):
+    """A directory named with glob characters (raw[1]/, beside a raw1/ its pattern matches) is read with its splits,
+    as datasets reads a directory; a file or a directory whose name holds `::` (fsspec's URL chaining) or a colon
+    is read as itself."""
+    records = mixed_records()[:5]
+    for name, part in (("raw[1]", records[:3]), ("raw1", records[3:]), ("v1::raw", records[1:])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.json").write_text(json.dumps(part))
+    (tmp_path / "raw[1]" / "test.json").write_text(json.dumps(records[3:]))
+    (tmp_path / "data::v1.json").write_text(json.dumps(records[:2]))
+    (tmp_path / "data:v2.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records[2:]))
+    instructions = [record["instruction"] for record in records]
+    assert load_records(str(tmp_path / "raw[1]"))["instruction"] == instructions[:3]
+    assert load_records(str(tmp_path / "raw[1]"), split="test")["instruction"] == instructions[3:]
+    assert load_records(str(tmp_path / "v1::raw"))["instruction"] == instructions[1:]
+    assert load_records(str(tmp_path / "data::v1.json"))["instruction"] == instructions[:2]
+    assert load_records(str(tmp_path / "data:v2.jsonl"))["instruction"] == instructions[2:]
+
+
+@pytest.mark.fast
+def test_a_file_of_null_is_one_line_not_a_crash(tmp_path):
+    """A .json holding null, a .jsonl of one null line, a gzipped one with a null line further down: pyarrow's JSON
+    reader, which datasets' runs first, crashes the process on such a line (a segmentation fault); each is one line
+    naming it. In a child process, so that a crash cannot take the test session with it."""
+    files = {"null.json": b"null", "null.jsonl": b"null\n",
+             "later.jsonl.gz": gzip.compress(b'{"instruction": "a", "output": "b"}\n  null \n')}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    read_each = ("import sys\nfrom alpaca.data import load_records\nfrom alpaca.errors import UsageError\n"
+                 "for path in sys.argv[1:]:\n    try:\n        load_records(path)\n"
+                 "    except UsageError as error:\n        print(error)\n")
+    result = subprocess.run([sys.executable, "-c", read_each, *(str(tmp_path / name) for name in files)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"--data_path {str(tmp_path / name)!r}: line {line} of {tmp_path / name} is null, not a record (a JSON "
+        "object); remove it, or write the record there" for name, line in zip(files, (1, 1, 2))]
 
 
 @pytest.mark.fast

@@ -16,8 +16,9 @@ from conftest import FAULTS, deepspeed_config_file, exit_statuses, run_in_proces
 from faults import Fault
 
 import alpaca.strategy
-from alpaca.checkpoint import load_checkpoint
-from alpaca.divergence import ANEW, DIVERGED_EXIT_CODE
+from alpaca.checkpoint import INTERVENTIONS_STATE, TRAINER_STATE, TRAINER_STATE_JSON, load_checkpoint
+from alpaca.divergence import ANEW, DIVERGED_EXIT_CODE, way_on
+from alpaca.manifest import write_manifest
 from alpaca.optim import clip_and_step
 from alpaca.output import MetricsLog, plot_loss, read_metrics
 
@@ -245,3 +246,34 @@ def test_the_step_reads_nothing_from_the_device(tiny_model, tiny_data, tmp_path,
     assert status == 0, stderr[-3000:]
     assert [reads[step] for step in range(1, 6)] == [0] * 5, reads  # steps 1-5 do not log
     assert reads[6] > 0  # step 6, the last, logs: its loss, grad norm, and whether a step was non-finite
+
+
+def intact_checkpoint(output_dir, step: int):
+    """A checkpoint-<step> directory that checks as complete and intact (its files and their manifest)."""
+    path = output_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    for name in (INTERVENTIONS_STATE, TRAINER_STATE, TRAINER_STATE_JSON):
+        (path / name).write_text(name)
+    write_manifest(path)
+    return path
+
+
+@pytest.mark.fast
+def test_a_run_resumed_from_another_directory_is_sent_to_that_directory_s_checkpoints(tmp_path):
+    """Resumed from other/checkpoint-3 into a new output_dir and diverged before saving: the checkpoint before the one
+    it resumed from, other/checkpoint-2, is named where it is (not "train again", which would throw both away);
+    other's checkpoints saved after the one this run resumed from are that run's, not this one's past. Once this run
+    has saved its own (new/checkpoint-5), that is the newest."""
+    other, new = tmp_path / "other", tmp_path / "new"
+    for step in (2, 3, 4):
+        intact_checkpoint(other, step)
+    new.mkdir()
+    assert way_on(new, other / "checkpoint-3", 6) == (
+        f"this run resumed from {other / 'checkpoint-3'} and diverged before saving another: resume the checkpoint "
+        f"before it with a lower learning rate: --resume_from_checkpoint {other / 'checkpoint-2'} --learning_rate "
+        "<lower>")
+    intact_checkpoint(new, 5)
+    assert NEWEST.fullmatch(way_on(new, other / "checkpoint-3", 6))[1] == str(new / "checkpoint-5")
+    assert way_on(tmp_path / "third", other / "checkpoint-2", 3) == (
+        f"this run resumed from {other / 'checkpoint-2'} and diverged before saving another, and no checkpoint before "
+        f"it is kept: train anew with a lower --learning_rate and {ANEW}")

@@ -1,6 +1,7 @@
 """examples/generate.py: base vs ReFT answers of a trained run, two runs compared, and a file of answers to score."""
 
 import json
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -24,8 +25,9 @@ from conftest import (
 from datasets import Dataset
 
 from alpaca.constants import HELD_OUT_FILE
-from alpaca.data import canonical_records, load_splits, render_prompt
-from alpaca.generation import SAMPLE_INSTRUCTIONS, answer
+from alpaca.data import canonical_records, conversation_tokens, load_records, load_splits, render_prompt
+from alpaca.errors import UsageError
+from alpaca.generation import SAMPLE_INSTRUCTIONS, answer, prompt_ids
 from alpaca.model import build_reft_model, load_base_model
 from alpaca.output import load_reft_model, save_interventions
 
@@ -123,7 +125,7 @@ def test_generate_with_layers_on_disk_answers_the_one_device_tokens(runs, tiny_t
      "--output_file answers the records of one file; --instruction would be left out: put its records in the"),
     (["--output_file", "a.json", "--instructions_file", "eval.json", "--conversations_file", "chats.jsonl"],
      "--output_file answers the records of one file; --conversations_file would be left out: put its records"),
-    (["--held_out"], "has no held_out.jsonl; train with --eval_split_ratio to hold records out"),
+    (["--held_out"], "was trained without --eval_split_ratio, so it held no records out"),
     (["--held_out", "--instructions_file", "eval.json"], "--held_out and --instructions_file both name the records"),
     (["--output_file", "a.json", "--compare", "b"], "--compare prints two runs side by side; write each run's"),
     (["--temperature", "0.7"], "--temperature and --top_p apply to sampling; add --do_sample"),
@@ -454,3 +456,91 @@ def test_a_resume_is_bound_to_the_resolved_dtype_and_the_interventions_content(r
     answer_file(run, path, tmp_path / "uninterrupted.json")
     rows = json.loads((tmp_path / "answers.json").read_text())
     assert rows == json.loads((tmp_path / "uninterrupted.json").read_text()) and len(rows) == len(records)
+
+
+# -- what --held_out and --instructions_file read, and how their faults are named ---------------------------------
+@pytest.fixture(scope="module")
+def generate_module() -> dict:
+    """examples/generate.py's functions (runpy: it is a script, not a module)."""
+    return runpy.run_path(GENERATE)
+
+
+def turn(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+# Conversations training takes (the last turn the assistant's) whose turn before it is not the user's.
+NOT_AFTER_A_USER_TURN = [
+    [turn("user", "What is 2 + 2?"), turn("assistant", "calc(2 + 2)"), turn("tool", "4"), turn("assistant", "4.")],
+    [turn("user", "Greet me twice."), turn("assistant", "Hello."), turn("assistant", "Hello again.")],
+    [turn("system", "Always say yes."), turn("assistant", "Yes.")],
+]
+
+
+@pytest.mark.fast
+def test_every_conversation_training_takes_is_answered_from_training_s_prompt(generate_module, chat_tokenizer,
+                                                                               tmp_path):
+    """Tool use, two assistant turns in a row, [system, assistant]: training takes them; generate.py answers each
+    from the very prompt tokens training gives it (the turns before its last), that last turn its reference."""
+    path = tmp_path / HELD_OUT_FILE
+    path.write_text("".join(json.dumps({"messages": turns}) + "\n" for turns in NOT_AFTER_A_USER_TURN))
+    assert load_records(str(path))["messages"] == NOT_AFTER_A_USER_TURN  # training takes them
+    items = generate_module["read_instructions"](str(path), "--held_out")
+    assert [(item["instruction"], item["reference"]) for item in items] == [
+        (turns[:-1], turns[-1]["content"]) for turns in NOT_AFTER_A_USER_TURN]
+    prompts, _ = prompt_ids(chat_tokenizer, [item["instruction"] for item in items], [""] * len(items), "chat")
+    assert prompts == [conversation_tokens(chat_tokenizer, turns)[0] for turns in NOT_AFTER_A_USER_TURN]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("records, message", [
+    # three conversations to answer (no reference), then one whose reference has no string content
+    ([{"messages": [turn("user", f"Question {i}")]} for i in range(3)]
+     + [{"messages": [turn("user", "Q"), {"role": "assistant", "content": 7}]}],
+     "record 3 of --instructions_file {path!r}: every message needs a string 'role' and 'content'"),
+    # bare instructions, then a conversation that ends with a tool's turn
+    (["Name a color.", "Name a fruit.", "Name a tree.",
+      {"messages": [turn("user", "Q"), turn("assistant", "calc()"), turn("tool", "4")]}],
+     "record 3 of --instructions_file {path!r} ends with a 'tool' message; it should end with the assistant's or "
+     "the user's turn"),
+], ids=["among-references", "among-conversations"])
+def test_a_fault_names_the_record_s_index_in_the_file(generate_module, tmp_path, records, message):
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps(records))
+    with pytest.raises(UsageError) as error:
+        generate_module["read_instructions"](str(path))
+    assert str(error.value).startswith(message.format(path=str(path))), error.value
+
+
+def write_run(directory: Path, eval_split_ratio: float | None, held_out: bool) -> Path:
+    """A run's output_dir as generate.py reads it before a model loads: its arguments, and its held-out records."""
+    directory.mkdir(parents=True)
+    settings = {"model_name_or_path": "none", "position": "f1+l1", "share_weights": False,
+                "prompt_template": "chat", "model_max_length": 64, "eval_split_ratio": eval_split_ratio}
+    (directory / "training_args.json").write_text(json.dumps(settings))
+    if held_out:
+        (directory / HELD_OUT_FILE).write_text(json.dumps({"messages": NOT_AFTER_A_USER_TURN[0]}) + "\n")
+    return directory
+
+
+def test_held_out_reads_only_its_run_s_file(generate_module, tmp_path):
+    """A run's held_out.jsonl is found from the run and from a checkpoint of it; a file of that name one directory up
+    (a user's own, another run's) is never answered in its stead: one line says why the run has none (trained
+    without --eval_split_ratio, by a train.py from before the file, or no such run)."""
+    held_out_file = generate_module["held_out_file"]
+    run = write_run(tmp_path / "run", 0.2, held_out=True)
+    (run / "checkpoint-3").mkdir()
+    assert held_out_file(str(run)) == held_out_file(str(run / "checkpoint-3")) == run / HELD_OUT_FILE
+    write_run(run / "nested", None, held_out=False)
+    write_run(run / "older", 0.2, held_out=False)
+    for directory, problem in (
+            ("nested", f"the run {str(run / 'nested')!r} was trained without --eval_split_ratio, so it held no "
+                       "records out"),
+            ("older", f"the run {str(run / 'older')!r} was trained with --eval_split_ratio 0.2 by a train.py from "
+                      "before it wrote the held-out records to held_out.jsonl"),
+            ("mistyped", f"--reft_dir {str(run / 'mistyped')!r} does not exist: there is no such run")):
+        status, _, stderr = run_in_process(GENERATE, ["--reft_dir", run / directory, "--held_out", "--output_file",
+                                                      tmp_path / "answers.json"])
+        assert status == 2 and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+        assert problem in stderr and "Traceback" not in stderr, stderr
+    assert not (tmp_path / "answers.json").exists()

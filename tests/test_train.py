@@ -222,6 +222,7 @@ print(json.dumps([heavy, answers]))
     (["--evaluation_strategy", "sometimes"], "invalid choice: 'sometimes'"),
     (["--pad_to_multiple_of", "0"], "--pad_to_multiple_of must be a positive integer"),
     (["--dataloader_num_workers", "-1"], "--dataloader_num_workers must be 0 or more"),
+    (["--preprocessing_num_workers", "0"], "--preprocessing_num_workers must be 1 or more"),
 ])
 def test_usage_errors_are_one_line(flags, message):
     result = run_script(["train.py", *flags])
