@@ -90,15 +90,16 @@ def random_nf4(rows: int, columns: int, dtype: torch.dtype, blocksize: int, doub
                generator: torch.Generator):
     """Return the packed bytes (two 4-bit codes each) and bitsandbytes' QuantState of a random rows x columns weight
     in NF4: codes uniform over NF4's 16 levels, which are N(0, 1)'s equal-probability quantiles, so the codes are
-    distributed as those of quantized N(0, std^2) weights; every block's scale (absmax) such that the weight's
-    standard deviation is `std`; with `double_quant` the scales quantized as bitsandbytes quantizes them."""
+    distributed as those of quantized N(0, std^2) weights; the blocks' scales (absmax) spread by +-10 % around the
+    one that makes the weight's standard deviation `std`; with `double_quant` the scales quantized as bitsandbytes
+    quantizes them."""
     import bitsandbytes.functional as bnb_functional
 
     device = generator.device
     packed = torch.randint(0, 256, ((rows * columns + 1) // 2,), dtype=torch.uint8, device=device, generator=generator)
     code = bnb_functional.get_4bit_type("nf4", device=device)
-    absmax = torch.full((-(-rows * columns // blocksize),), std / code.square().mean().sqrt().item(),
-                        dtype=torch.float32, device=device)
+    absmax = torch.empty(-(-rows * columns // blocksize), dtype=torch.float32, device=device)
+    absmax.uniform_(0.9, 1.1, generator=generator).mul_(std / code.square().mean().sqrt().item())
     shape = torch.Size((rows, columns))
     if not double_quant:
         return packed, bnb_functional.QuantState(absmax=absmax, shape=shape, dtype=dtype, blocksize=blocksize,
