@@ -282,6 +282,6 @@ if wants 11; then
   # shellcheck disable=SC2086  # NF4_70B_SHAPE is flags
   run llama70b-nf4 "$SECTION_SECONDS" $PYTHON benchmarks/llama70b_nf4.py ${NF4_70B_SHAPE:-} "${COMMON[@]}" \
       --gradient_checkpointing --output_dir "$OUT/llama70b-nf4"
-  grep -hE "^built |^memory since" "$OUT/llama70b-nf4.log" 2>/dev/null || true
+  grep -ahE "^built |^memory since" "$OUT/llama70b-nf4.log" 2>/dev/null || true
 fi
 echo; echo "done ($(date +%T)); outputs in $OUT"
