@@ -31,9 +31,17 @@
 #      padded runs, within float32 rounding; sdpa_varlen's flash kernel has no float32 (refused in one line).
 #   9. ZeRO-3 with and without CPU offload against train.py, float32 with TF32 off: what separates offload from
 #      ZeRO-3 once bf16 and TF32 roundings are out of the way (docs/exactness.md).
-# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6 7 8 9"; 1d when asked). Each section stops starting runs after
-# SECTION_SECONDS (default 300); each run's whole output is in $OUT/NAME.log, and a run that fails prints its exit
-# status and its error's last lines.
+#  10. train_multigpu.py as NCCL runs it, on 1 process, with an eval split evaluated every 2 steps and 2 sample
+#      answers: DDP, --fsdp, --fsdp "full_shard offload", ZeRO-2, ZeRO-3 and ZeRO-3 offload. A run passes when it
+#      ends 0, prints its "Trained to step" line and saved its interventions; each prints "passed" or why not.
+#  11. Llama-3.1-70B's shapes on one GPU: a random NF4 base built layer by layer on the device
+#      (benchmarks/llama70b_nf4.py) and trained by train.py's loop as a --load_in_4bit base, with
+#      --gradient_checkpointing: the build's seconds, the run's tokens/s, and its peak memory beside the formula.
+#      NF4_70B_SHAPE (default: the whole model) passes that script fewer layers or a smaller vocabulary.
+# SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6 7 8 9 10"; 1d and 11 when asked). Each section stops starting
+# runs after SECTION_SECONDS (default 300), and no run lasts more than RUN_SECONDS (default: no limit; a rehearsal's
+# short one); each run's whole output is in $OUT/NAME.log, and a run that fails prints its exit status and its
+# error's last lines.
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-$(mktemp -d)}
@@ -41,31 +49,36 @@ DATA=${DATA:-$( [ -f ../shared/data/alpaca_en_demo.json ] && echo ../shared/data
                 || echo examples/data/alpaca_sample.json )}
 MODEL=${MODEL:-embedded:SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6 7 8 9} "
+SECTIONS=" ${SECTIONS:-1a 1b 1c 2 3 4 5 6 7 8 9 10} "
 mkdir -p "$OUT"
 VARIANTS=${VARIANTS:-baseline,eager,compiled,packed,varlen}
 THROUGHPUT=($PYTHON benchmarks/throughput.py --model_name_or_path "$MODEL" --data_path "$DATA"
             --num_examples "${NUM_EXAMPLES:-256}" --repeats 3)
 SECTION_SECONDS=${SECTION_SECONDS:-300}
+RUN_SECONDS=${RUN_SECONDS:-0}
 section() { echo; echo "=== $* ($(date +%T))"; SECTION_END=$(( SECONDS + SECTION_SECONDS )); }
-# run NAME SECONDS COMMAND...: COMMAND's output to $OUT/NAME.log, at most SECONDS and no later than the section's
-# end; prints its "Trained to step" line (else its last line), or why it failed: exit status and the error's lines.
+# run NAME SECONDS COMMAND...: COMMAND's output to $OUT/NAME.log, at most SECONDS (and RUN_SECONDS) and no later than
+# the section's end; prints its "Trained to step" line (else its last line), or why it failed: exit status and the
+# error's lines. Its exit status is left in RUN_STATUS (empty: not started).
 run() {
   local name=$1 seconds=$2 status=0; shift 2
+  RUN_STATUS=
+  (( RUN_SECONDS > 0 && RUN_SECONDS < seconds )) && seconds=$RUN_SECONDS
   (( SECTION_END - SECONDS < seconds )) && seconds=$(( SECTION_END - SECONDS ))
   if (( seconds < 5 )); then echo "$name: not started (the section's ${SECTION_SECONDS} s are spent)"; return; fi
   timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1 || status=$?
+  RUN_STATUS=$status
   if (( status == 0 )); then
-    grep -h "Trained to step" "$OUT/$name.log" || tail -1 "$OUT/$name.log"
+    grep -ah "Trained to step" "$OUT/$name.log" || tail -1 "$OUT/$name.log"
     return
   fi
   echo "$name: failed (exit $status$( (( status == 124 )) && echo ", timed out after $seconds s"))"
   # our one error line, an exception's, or torchrun's child failure; then the last lines
   local errors
-  errors=$(grep -E "error: |^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)\b" "$OUT/$name.log" \
+  errors=$(grep -aE "error: |^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)\b" "$OUT/$name.log" \
            | grep -v ChildFailedError | tail -3 || true)
   [[ -n $errors ]] && sed 's/^/    /' <<< "$errors"
-  grep -v '^[[:space:]]*$' "$OUT/$name.log" | tail -4 | grep -vxF -f <(printf '%s\n' "$errors") | sed 's/^/    | /' || true
+  grep -av '^[[:space:]]*$' "$OUT/$name.log" | tail -4 | grep -vxF -f <(printf '%s\n' "$errors") | sed 's/^/    | /' || true
 }
 wants() { [[ $SECTIONS == *" $1 "* ]]; }
 
@@ -234,5 +247,41 @@ if wants 9; then
         --deepspeed "examples/deepspeed/$config.json" --output_dir "$OUT/fp32-exact-$config"
   done
   compare fp32-padded fp32-exact-zero3 fp32-exact-zero3_offload || echo "(compare failed)"
+fi
+
+if wants 10; then
+  section "10. train_multigpu.py as NCCL runs it (1 process), with evaluation and sample answers: DDP, --fsdp," \
+          "--fsdp offload, ZeRO-2, ZeRO-3, ZeRO-3 offload"
+  WITH_EVAL=(--model_name_or_path "$MODEL" --data_path "$DATA" --max_steps 4 --logging_steps 1
+             --per_device_train_batch_size 8 --eval_split_ratio 0.1 --eval_strategy steps --eval_steps 2
+             --per_device_eval_batch_size 8 --num_sample_answers 2 --max_new_tokens 16 --ddp_timeout 120
+             --overwrite_output_dir)
+  # nccl NAME SECONDS FLAGS...: one process under torchrun (a free port: --standalone); passed when it ends 0, printed
+  # its "Trained to step" line and saved its interventions (run() says why a run that ended otherwise failed)
+  nccl() {
+    local name=nccl-$1 seconds=$2; shift 2
+    run "$name" "$seconds" "${ONE_PROCESS[@]}" "${WITH_EVAL[@]}" "$@" --output_dir "$OUT/$name"
+    [[ $RUN_STATUS == 0 ]] || return 0
+    local trained=no saved=no
+    grep -aq "Trained to step" "$OUT/$name.log" && trained=yes
+    compgen -G "$OUT/$name/intkey_*" > /dev/null && saved=yes
+    if [[ $trained == yes && $saved == yes ]]; then echo "$name: passed"
+    else echo "$name: did not pass (exit 0, but \"Trained to step\" printed: $trained, interventions saved: $saved)"
+    fi
+  }
+  nccl ddp 40
+  nccl fsdp 45 --fsdp
+  nccl fsdp-offload 50 --fsdp "full_shard offload"
+  for config in zero2 zero3 zero3_offload; do
+    nccl "$config" 60 --deepspeed "examples/deepspeed/$config.json"
+  done
+fi
+
+if wants 11; then
+  section "11. Llama-3.1-70B's shapes in NF4 on one GPU: built on the device, trained by train.py's loop"
+  # shellcheck disable=SC2086  # NF4_70B_SHAPE is flags
+  run llama70b-nf4 "$SECTION_SECONDS" $PYTHON benchmarks/llama70b_nf4.py ${NF4_70B_SHAPE:-} "${COMMON[@]}" \
+      --gradient_checkpointing --output_dir "$OUT/llama70b-nf4"
+  grep -ahE "^built |^memory since" "$OUT/llama70b-nf4.log" 2>/dev/null || true
 fi
 echo; echo "done ($(date +%T)); outputs in $OUT"

@@ -1,9 +1,14 @@
-"""benchmarks/throughput.py on a GPU lease: a run cut short keeps the rows it measured."""
+"""The benchmarks for a GPU lease: benchmarks/throughput.py cut short keeps the rows it measured; the 70B NF4 base
+builds where it runs and trains within its memory formula (at 2 layers on the CPU); gpu_check.sh's sections start,
+print and stop at their budget on a CPU rehearsal with a fake nvidia-smi."""
 
+import os
+import re
 import subprocess
 import sys
+import time
 
-from conftest import LAYERS, REPO
+from conftest import LAYERS, REPO, run_script
 
 
 def throughput(tiny_model, tiny_data, *flags) -> tuple[subprocess.Popen, list[str]]:
@@ -43,3 +48,58 @@ def test_throughput_starts_no_variant_past_its_time_budget(tiny_model, tiny_data
                           "--time_budget", "1")
     assert rows(lines) == [["4", "baseline"]]
     assert lines[-1][0] == "time budget of 1 s spent; not started: eager at 4, baseline at 2, eager at 2"
+
+
+def test_llama70b_nf4_builds_layers_of_70b_widths_and_trains_them_within_the_memory_formula(tiny_model, tiny_data,
+                                                                                             tmp_path):
+    """benchmarks/llama70b_nf4.py at 2 layers of Llama-3.1-70B's widths (the tiny tokenizer's vocabulary): train.py's
+    loop trains the built NF4 base as a --load_in_4bit one, backward through a 70B-wide layer (intervened on layer
+    0), and the peak resident memory since the build is at least the NF4 layers and at most its formula: a
+    full-precision copy of the layers (3.2 GiB in bf16) would exceed it."""
+    command = [sys.executable, str(REPO / "benchmarks" / "llama70b_nf4.py"), "--num_hidden_layers", "2",
+               "--vocab_size", "512", "--dtype", "bfloat16", "--model_name_or_path", str(tiny_model), "--data_path",
+               str(tiny_data), "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--logging_steps", "1",
+               "--per_device_train_batch_size", "1", "--model_max_length", "128", "--layers", "0", "--position", "l1",
+               "--intervention", "noreft", "--num_sample_answers", "0"]  # noreft: LoReFT's init at 8192 takes a minute
+    result = run_script(command[1:], timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    hidden, intermediate, heads, kv_heads, head_dim = 8192, 28672, 64, 8, 128
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate
+    parameters = 2 * per_layer + 2 * 512 * hidden + 5 * hidden  # + embeddings, LM head, 2 norms a layer and the last
+    assert f"base model {parameters:,} parameters (4-bit nf4, computing in torch.bfloat16)" in result.stdout
+    assert "Trained to step 2 in" in result.stdout
+    assert sorted(path.name for path in (tmp_path / "out").glob("intkey_*")) == ["intkey_layer_0_comp_block_output_"
+                                                                                  "unit_pos_nunit_1#0.bin"]
+    memory = re.search(r"growth ([\d.]+) GiB; .*: ([\d.]+) GiB \(nf4 layers ([\d.]+),", result.stdout)
+    assert memory, result.stdout[-2000:]
+    measured, formula, nf4_layers = map(float, memory.groups())
+    assert nf4_layers <= measured <= formula
+
+
+def test_gpu_check_sections_10_and_11_start_print_and_stop_at_their_budget_on_a_rehearsal(tiny_model, tiny_data,
+                                                                                        tmp_path):
+    """benchmarks/gpu_check.sh on the CPU with a fake nvidia-smi, each run cut at RUN_SECONDS: section 10's six
+    strategies under torchrun and section 11's 70B build (2 layers here) each start, print one verdict line, and stop
+    at the budget; the section headers come in order after the fake GPU's line."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'NVIDIA H200 (fake), 143771 MiB, 570.00'\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "PYTHON": sys.executable, "MODEL": str(tiny_model),
+           "DATA": str(tiny_data), "OUT": str(tmp_path / "out"), "SECTIONS": "10 11", "SECTION_SECONDS": "100",
+           "RUN_SECONDS": "5", "NF4_70B_SHAPE": "--num_hidden_layers 2 --vocab_size 512"}
+    started = time.monotonic()
+    result = run_script(["benchmarks/gpu_check.sh"], env=env, launcher=["bash"], timeout=240)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    headers = [line.split()[1] for line in lines if line.startswith("=== ")]
+    assert headers == ["environment", "10.", "11."]
+    assert "NVIDIA H200 (fake), 143771 MiB, 570.00" in lines
+    names = ["nccl-ddp", "nccl-fsdp", "nccl-fsdp-offload", "nccl-zero2", "nccl-zero3", "nccl-zero3_offload",
+             "llama70b-nf4"]
+    verdicts = [line for line in lines if line.split(":")[0] in names]
+    assert [line.split(":")[0] for line in verdicts] == names
+    assert all(line.endswith("timed out after 5 s)") or line.endswith(": passed") for line in verdicts), verdicts
+    assert all((tmp_path / "out" / f"{name}.log").is_file() for name in names)
+    assert elapsed < len(names) * (5 + 5) + 30  # each stopped at its 5 s (+ the kill's and bash's seconds)

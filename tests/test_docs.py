@@ -71,6 +71,11 @@ def check_command(command: str) -> None:
         import generate
 
         generate.parse_args(arguments)
+    elif script == "benchmarks/llama70b_nf4.py":  # its own flags, then train.py's
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        import llama70b_nf4
+
+        build_parser("train.py", False).parse_args(llama70b_nf4.parse_own_flags(arguments)[1])
     else:
         assert script.startswith("benchmarks/") and (REPO / script).exists(), script
         source = (REPO / script).read_text()
