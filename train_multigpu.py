@@ -188,7 +188,8 @@ def train(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, gp
     sampler, loader = training_loader(args, loaded, device)
     placeholder = loaded.collate([dataset[0]])  # zero-weight, where a rank's share falls short
     # The per-step agreement travels as a CPU tensor over gloo: the host never waits for the device.
-    host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ddp_timeout))
+    host_group = dist.new_group(backend="gloo",
+                                timeout=datetime.timedelta(seconds=args.ddp_timeout))
     progress = tqdm(total=schedule.total_steps, initial=step, desc="training",
                     dynamic_ncols=True, disable=not is_main)
     dist.barrier()  # rank 0 may have spent a while starting wandb: every rank's clock starts now
