@@ -33,7 +33,9 @@
 #      ZeRO-3 once bf16 and TF32 roundings are out of the way (docs/exactness.md).
 #  10. train_multigpu.py as NCCL runs it, on 1 process, with an eval split evaluated every 2 steps and 2 sample
 #      answers: DDP, --fsdp, --fsdp "full_shard offload", ZeRO-2, ZeRO-3 and ZeRO-3 offload. A run passes when it
-#      ends 0, prints its "Trained to step" line and saved its interventions; each prints "passed" or why not.
+#      ends 0, prints its "Trained to step" line, saved its interventions and its ledger of collectives
+#      (tests/collective_ledger.py) has every tensor on the GPU (the host group's on the CPU) and every group
+#      waiting --ddp_timeout; each prints "passed" or why not.
 #  11. Llama-3.1-70B's shapes on one GPU: a random NF4 base built layer by layer on the device
 #      (benchmarks/llama70b_nf4.py) and trained by train.py's loop as a --load_in_4bit base, with
 #      --gradient_checkpointing: the build's seconds, the run's tokens/s, and its peak memory beside the formula.
@@ -256,17 +258,24 @@ if wants 10; then
              --per_device_train_batch_size 8 --eval_split_ratio 0.1 --eval_strategy steps --eval_steps 2
              --per_device_eval_batch_size 8 --num_sample_answers 2 --max_new_tokens 16 --ddp_timeout 120
              --overwrite_output_dir)
-  # nccl NAME SECONDS FLAGS...: one process under torchrun (a free port: --standalone); passed when it ends 0, printed
-  # its "Trained to step" line and saved its interventions (run() says why a run that ended otherwise failed)
+  # nccl NAME SECONDS FLAGS...: one process under torchrun (a free port: --standalone), its collectives recorded
+  # (tests/collective_ledger.py); passed when it ends 0, printed its "Trained to step" line, saved its interventions
+  # and gave each collective tensors on its GPU (the host group's on the CPU), each group waiting --ddp_timeout
+  # (run() says why a run that ended otherwise failed)
   nccl() {
     local name=nccl-$1 seconds=$2; shift 2
-    run "$name" "$seconds" "${ONE_PROCESS[@]}" "${WITH_EVAL[@]}" "$@" --output_dir "$OUT/$name"
+    run "$name" "$seconds" env LEDGER="$OUT/$name-ledger" $PYTHON -m torch.distributed.run --standalone \
+        --nproc_per_node 1 tests/faults.py train_multigpu.py "${WITH_EVAL[@]}" "$@" --output_dir "$OUT/$name"
     [[ $RUN_STATUS == 0 ]] || return 0
-    local trained=no saved=no
+    local trained=no saved=no ledger
     grep -aq "Trained to step" "$OUT/$name.log" && trained=yes
     compgen -G "$OUT/$name/intkey_*" > /dev/null && saved=yes
-    if [[ $trained == yes && $saved == yes ]]; then echo "$name: passed"
-    else echo "$name: did not pass (exit 0, but \"Trained to step\" printed: $trained, interventions saved: $saved)"
+    ledger=$($PYTHON -c "import sys; sys.path[:0] = ['tests', '.']; from collective_ledger import check; \
+calls = check(__import__('pathlib').Path(sys.argv[1]), 1, 120)[0]; print(f'{len(calls)} collectives in step')" \
+             "$OUT/$name-ledger" 2>&1 | tail -1)
+    if [[ $trained == yes && $saved == yes && $ledger == *"in step" ]]; then echo "$name: passed ($ledger)"
+    else echo "$name: did not pass (exit 0; \"Trained to step\" printed: $trained, interventions saved: $saved," \
+              "ledger: $ledger)"
     fi
   }
   nccl ddp 40
