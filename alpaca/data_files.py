@@ -3,12 +3,13 @@ save_to_disk directory, a hub dataset; a file that cannot be read is one line na
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import glob
 import hashlib
+import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import datasets
@@ -17,6 +18,7 @@ import pandas
 
 from alpaca.data_source import ACCEPTED, DataSource, data_source, file_loader
 from alpaca.errors import UsageError
+from alpaca.manifest import cache_root
 
 
 @contextlib.contextmanager
@@ -31,14 +33,21 @@ def datasets_logging_quiet():
 
 
 # A line that is JSON's null alone (after a byte-order mark, between blanks): pyarrow's JSON reader, which datasets'
-# json loader runs first, crashes the process (a segmentation fault) on a block that starts with one.
+# json loader runs, crashes the process (a segmentation fault) on a block that starts with one. datasets hands it a
+# JSON array as one such line a record, written anew.
 NULL_LINE = re.compile(rb"^(?:\xef\xbb\xbf)?[ \t\r]*null[ \t\r]*$", re.MULTILINE)
 
 
-def null_line(path: str) -> int | None:
-    """Return the number of the first line of a (possibly compressed) JSON file that is null alone, or None; read in
-    blocks of whole lines, so a file of any size is scanned at the disk's pace."""
+def null_record(path: str) -> str | None:
+    """Return where a (possibly compressed) JSON file holds a null where datasets finds its records, or None: in a
+    JSON array (read whole, as datasets reads it) the element's index, "record N"; in JSON Lines the line's number,
+    "line N", the file scanned in blocks of whole lines at the disk's pace."""
     with fsspec.open(path, "rb", compression="infer") as file:
+        if file.read(len(codecs.BOM_UTF8) + 1).removeprefix(codecs.BOM_UTF8).startswith(b"["):
+            file.seek(0)
+            records = json.loads(file.read().removeprefix(codecs.BOM_UTF8))
+            return next((f"record {index}" for index, record in enumerate(records) if record is None), None)
+        file.seek(0)
         lines_before, tail = 0, b""
         while True:
             chunk = file.read(1 << 24)
@@ -46,7 +55,8 @@ def null_line(path: str) -> int | None:
             complete = block[: block.rfind(b"\n") + 1] if chunk else block
             match = NULL_LINE.search(complete)
             if match:
-                return lines_before + complete.count(b"\n", 0, match.start()) + 1
+                line = lines_before + complete.count(b"\n", 0, match.start()) + 1
+                return f"line {line}"
             if not chunk:
                 return None
             lines_before, tail = lines_before + complete.count(b"\n"), block[len(complete) :]
@@ -54,12 +64,12 @@ def null_line(path: str) -> int | None:
 
 def as_itself(path: str) -> str:
     """Return a name under which datasets reads `path` as itself: `path`, or where it holds a colon (fsspec's
-    protocol, `::` its URL chaining), a link to it in the temporary directory, named by the path (the same for
-    every process of a run, made atomically)."""
+    protocol, `::` its URL chaining), a link to it named without one, in this user's cache
+    (alpaca.manifest.cache_root) under a hash of the path: the same for every process of a run, made atomically."""
     if ":" not in path:
         return path
     target = os.path.abspath(path)
-    link = Path(tempfile.gettempdir(), "reft-alpaca-links", hashlib.sha256(target.encode()).hexdigest()[:16],
+    link = Path(cache_root(), "links", hashlib.sha256(target.encode()).hexdigest()[:16],
                 os.path.basename(target).replace(":", "_"))
     if not (link.is_symlink() and os.readlink(link) == target):
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -91,13 +101,13 @@ def directory_files(flag: str, path: str) -> tuple[DataSource, dict[str, list[st
 def load_files(source: DataSource, flag: str, splits: dict[str, list[str]] | None = None) -> datasets.DatasetDict:
     """Load data files, as they are, through `datasets`' packaged loader: every file as the split 'train', or the files
     of each of `splits`. A CSV's cells are read as the text they are ("007" stays "007", an empty cell ""), as in a
-    JSON file of strings. A JSON file with a line of null alone is refused (null_line)."""
+    JSON file of strings. A JSON file with a null where datasets finds its records is refused (null_record)."""
     splits = splits or {"train": list(source.files)}
     for file in source.files if source.loader == "json" else ():
-        line = null_line(as_itself(file))
-        if line is not None:
-            raise UsageError(f"{flag} {source.path!r}: line {line} of {file} is null, not a record (a JSON "
-                             "object); remove it, or write the record there")
+        where = null_record(as_itself(file))
+        if where is not None:
+            raise UsageError(f"{flag} {source.path!r}: {where} of {file} is null, not a record (a JSON object); "
+                             "remove it, or write the record there")
     # datasets reads each of data_files as a pattern: escaped, a file named data[1].json is that file
     data_files = {split: [glob.escape(as_itself(file)) for file in files] for split, files in splits.items()}
     if source.loader != "csv":

@@ -161,11 +161,12 @@ def test_a_directory_or_file_whose_name_datasets_would_misread_is_read_as_itself
 
 @pytest.mark.fast
 def test_a_file_of_null_is_one_line_not_a_crash(tmp_path):
-    """A .json holding null, a .jsonl of one null line, a gzipped one with a null line further down: pyarrow's JSON
-    reader, which datasets' runs first, crashes the process on such a line (a segmentation fault); each is one line
-    naming it. In a child process, so that a crash cannot take the test session with it."""
+    """A .json holding null, a .jsonl of one null line, a gzipped one with a null line further down, an array with
+    a null record: pyarrow's JSON reader, which datasets' runs first, crashes the process on such a line (a
+    segmentation fault; datasets writes an array's records as lines first); each is one line naming it. In a child process, so that a crash cannot take the test session with it."""
     files = {"null.json": b"null", "null.jsonl": b"null\n",
-             "later.jsonl.gz": gzip.compress(b'{"instruction": "a", "output": "b"}\n  null \n')}
+             "later.jsonl.gz": gzip.compress(b'{"instruction": "a", "output": "b"}\n  null \n'),
+             "array.json": b'[null, {"instruction": "a", "output": "b"}]'}
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
     read_each = ("import sys\nfrom alpaca.data import load_records\nfrom alpaca.errors import UsageError\n"
@@ -175,8 +176,14 @@ def test_a_file_of_null_is_one_line_not_a_crash(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
-        f"--data_path {str(tmp_path / name)!r}: line {line} of {tmp_path / name} is null, not a record (a JSON "
-        "object); remove it, or write the record there" for name, line in zip(files, (1, 1, 2))]
+        f"--data_path {str(tmp_path / name)!r}: {where} of {tmp_path / name} is null, not a record (a JSON "
+        "object); remove it, or write the record there"
+        for name, where in zip(files, ("line 1", "line 1", "line 2", "record 0"))]
+    # an array as json.dumps(indent=...) writes it, a null alone on a line inside a record: read (datasets hands
+    # pyarrow each record on a line of its own)
+    (tmp_path / "indented.json").write_text(json.dumps([{"instruction": "a", "output": "b", "tags": {"x": None}}],
+                                                       indent=1))
+    assert load_records(str(tmp_path / "indented.json"))["instruction"] == ["a"]
 
 
 @pytest.mark.fast
