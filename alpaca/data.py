@@ -298,7 +298,7 @@ RECORDS_PER_PROCESS = 10_000  # fewer records a process: starting it costs about
 
 def tokenizing_processes(requested: int | None, records: int) -> int:
     """Return how many processes tokenize `records` records: --preprocessing_num_workers, or by default the cores this
-    rank can spare (alpaca.launcher_env.spare_cores), one a RECORDS_PER_PROCESS records at most; one where it can
+    process can spare (alpaca.launcher_env.spare_cores), one a RECORDS_PER_PROCESS records at most; one where it can
     spare 2 or fewer, whose batches the fast tokenizer's own threads already spread over them (2 processes
     tokenized Alpaca records 0.7x as fast on 2 cores: benchmarks/RESULTS.md)."""
     spare = spare_cores()

@@ -32,12 +32,10 @@ def exit_if_launched_on_several_processes(prog: str) -> None:
 
 
 def spare_cores() -> int:
-    """Return the cores this process can spare for work of its own (tokenizing): those it may run on, shared with the
-    node's other processes of the launch (LOCAL_WORLD_SIZE, torchrun's), at least 1."""
-    local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    # the CPUs this process may run on (a job scheduler's share); macOS knows only the machine's count
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // local_processes)
+    """Return the cores this process can spare for work of its own (tokenizing): all it may run on (a job scheduler's
+    share; macOS knows only the machine's count). Under torchrun one process a node tokenizes while the others wait
+    for its cache (alpaca.distributed.first_on_local_main), so it is not a share of the node's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def is_main_process() -> bool:

@@ -169,8 +169,9 @@ def test_two_tokenizing_processes_give_one_s_tokens_and_cache(tokenizer, chat_to
                                                               monkeypatch):
     """--preprocessing_num_workers 2 tokenizes Alpaca records and conversations (several turns, labelled spans) into
     the very columns one process makes, in order, under the same cache key: a run with 2 reads the cache a run
-    with 1 wrote. The flag reaches the tokenizer; by default a rank takes its share of the node's cores
-    (LOCAL_WORLD_SIZE), one process a 10,000 records at most, and one process where that share is 2 or fewer."""
+    with 1 wrote. The flag reaches the tokenizer; by default the process takes the cores it may run on, whatever
+    the processes on its node (one of them tokenizes while the others wait), one process a 10,000 records at most,
+    and one process where it has 2 or fewer."""
     records = load_records(str(tiny_data))
     conversations = datasets.Dataset.from_dict({"messages": [
         [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}] * (1 + i % 2)
@@ -190,10 +191,10 @@ def test_two_tokenizing_processes_give_one_s_tokens_and_cache(tokenizer, chat_to
     args = build_parser("train.py").parse_args(["--preprocessing_num_workers", "2"])
     tokenize_splits([records, None], tokenizer, args)
     monkeypatch.setattr(alpaca.launcher_env.os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args.preprocessing_num_workers = None
     tokenize_splits([records], tokenizer, args)
     assert asked == [2, 1]
-    assert [tokenizing_processes(None, count) for count in (9_999, 30_000, 1_000_000)] == [1, 3, 4]
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 cores a rank: the tokenizer's own threads use them
+    assert [tokenizing_processes(None, count) for count in (9_999, 30_000, 1_000_000)] == [1, 3, 16]
+    monkeypatch.setattr(alpaca.launcher_env.os, "sched_getaffinity", lambda pid: {0, 1})  # the tokenizer's threads
     assert tokenizing_processes(None, 1_000_000) == 1 and tokenizing_processes(3, 10) == 3

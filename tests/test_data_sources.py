@@ -163,7 +163,8 @@ def test_a_directory_or_file_whose_name_datasets_would_misread_is_read_as_itself
 def test_a_file_of_null_is_one_line_not_a_crash(tmp_path):
     """A .json holding null, a .jsonl of one null line, a gzipped one with a null line further down, an array with
     a null record: pyarrow's JSON reader, which datasets' runs first, crashes the process on such a line (a
-    segmentation fault; datasets writes an array's records as lines first); each is one line naming it. In a child process, so that a crash cannot take the test session with it."""
+    segmentation fault; datasets writes an array's records as lines first); each is one line naming it. In a child
+    process, so that a crash cannot take the test session with it."""
     files = {"null.json": b"null", "null.jsonl": b"null\n",
              "later.jsonl.gz": gzip.compress(b'{"instruction": "a", "output": "b"}\n  null \n'),
              "array.json": b'[null, {"instruction": "a", "output": "b"}]'}
