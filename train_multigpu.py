@@ -391,8 +391,8 @@ def finish_run(args: argparse.Namespace, loaded: DataAndModel, strategy, metrics
 
 def save_and_report(args: argparse.Namespace, loaded: DataAndModel, metrics: MetricsLog,
                     finished: dict, trained: str) -> None:
-    """Write rank 0's output: the interventions (pyreft format), arguments, metrics and loss.png,
-    the record that the run `finished` (alpaca.resume.finished_record); then say so."""
+    """Write rank 0's output: the interventions (pyreft format), arguments, metrics, the record
+    that the run `finished` (alpaca.resume.finished_record) and loss.png; then say so."""
     save_output(loaded.reft_model, metrics, args.output_dir, finished)
     print(f"{trained}; {metrics.loss_summary()}. Interventions (pyreft format), arguments, metrics "
           f"and loss.png in {args.output_dir}/")

@@ -32,7 +32,7 @@ import torch
 from alpaca.constants import HELD_OUT_FILE
 from alpaca.errors import StorageError, UsageError
 from alpaca.manifest import files_problem, read_manifest, write_manifest
-from alpaca.output import ARGS_FILE, FINISHED_FILE, plot_loss, save_interventions
+from alpaca.output import ARGS_FILE, FINISHED_FILE, METRICS_FILE, plot_loss, save_interventions
 
 PREFIX = "checkpoint-"
 INTERVENTIONS_STATE = "interventions.pt"
@@ -166,7 +166,7 @@ def storage_errors(what: str, output_dir: str | os.PathLike) -> Iterator[None]:
 def save_output(reft_model, metrics, output_dir: str | os.PathLike, finished: dict) -> None:
     """Write the run's final output: the interventions (pyreft's format) and the closed metrics log; then, renamed into
     place after them, the record that the run finished (alpaca.resume.finished_record); last loss.png, drawn from the
-    metrics, which a failure to draw cannot lose."""
+    metrics: a plot that fails is one line, and the run stands."""
     with storage_errors(f"writing the output to {output_dir}", output_dir):
         save_interventions(reft_model, output_dir)
         metrics.close()
@@ -175,7 +175,11 @@ def save_output(reft_model, metrics, output_dir: str | os.PathLike, finished: di
             file.write(json.dumps(finished, indent=2).encode())
             os.fsync(file.fileno())
         os.replace(staging, Path(output_dir) / FINISHED_FILE)
+    try:
         plot_loss(output_dir)
+    except Exception as error:  # noqa: BLE001 - a figure of metrics that are written: nothing of the run is lost
+        print(f"loss.png not drawn ({type(error).__name__}: {error}); the metrics it shows are in "
+              f"{Path(output_dir) / METRICS_FILE}", file=sys.stderr)
 
 
 def tensor_bytes(state: dict) -> bytes:
