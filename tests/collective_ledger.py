@@ -5,7 +5,9 @@ bound to (its training device), so a CPU tensor or another GPU's, which gloo on 
 tests/faults.py installs it when LEDGER names a directory: each process appends one JSON line per collective to
 LEDGER/rank-<RANK>.jsonl as it issues it (so a rank that exits or is killed keeps what it issued), with its kind, its
 group, the group's timeout, the devices, shapes and dtypes of its tensors, and the code that called it. The
-training device is recorded as the scripts choose it (alpaca.strategy.choose_strategy); `check` reads the files.
+training device is recorded as the scripts choose it (alpaca.strategy.choose_strategy), and where the sample
+answers start (alpaca.generation.sample_answers); `check` reads the files. On CPU processes every tensor is on the
+CPU, so the device rule cannot fail there: it holds the code to NCCL's rule on GPUs (benchmarks/gpu_check.sh).
 Only Python-level calls are seen (torch.distributed's functions, which DeepSpeed, FSDP2 and transformers call); DDP's
 reducer calls the process group from C++.
 """
@@ -28,7 +30,8 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_in
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
                "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
                "scatter_object_list", "send", "recv", "isend", "irecv", "new_group")
-TRAINING_DEVICE = "training device"  # the kind of the entry that records it
+# Entries that are not collectives: the training device, as the scripts choose it, and where the sample answers start
+TRAINING_DEVICE, SAMPLE_ANSWERS = "training device", "sample answers"
 # The frames a call's site skips: torch's, DeepSpeed's wrappers of torch's collectives, and this file's.
 OUTSIDE = (f"{os.sep}torch{os.sep}", f"deepspeed{os.sep}comm{os.sep}", f"deepspeed{os.sep}utils{os.sep}nvtx.py",
            f"{os.sep}collective_ledger.py")
@@ -49,16 +52,21 @@ class Ledger:
             recorded = self.recording(name, original)
             setattr(distributed_c10d, name, recorded)  # what torch.distributed's own functions call
             setattr(dist, name, recorded)
+        import alpaca.generation
         import alpaca.strategy
 
-        choose_strategy = alpaca.strategy.choose_strategy
+        choose_strategy, sample_answers = alpaca.strategy.choose_strategy, alpaca.generation.sample_answers
 
         def recorded_choice(*args, **kwargs):
             strategy = choose_strategy(*args, **kwargs)
             self.write({"kind": TRAINING_DEVICE, "device": str(strategy.device)})
             return strategy
 
-        alpaca.strategy.choose_strategy = recorded_choice
+        def recorded_answers(*args, **kwargs):
+            self.write({"kind": SAMPLE_ANSWERS})
+            return sample_answers(*args, **kwargs)
+
+        alpaca.strategy.choose_strategy, alpaca.generation.sample_answers = recorded_choice, recorded_answers
 
     def recording(self, name: str, original):
         @functools.wraps(original)
@@ -128,6 +136,10 @@ def signature(record: dict) -> tuple:
     return (record["kind"], record["group"], record["site"], str(record.get("shapes")), str(record.get("dtypes")))
 
 
+def collectives(records: list[dict]) -> list[dict]:
+    return [record for record in records if record["kind"] not in (TRAINING_DEVICE, SAMPLE_ANSWERS)]
+
+
 def check(directory: Path, world_size: int, timeout_s: float | None = None,
           device: str | None = None) -> dict[int, list[dict]]:
     """Assert the ledger of a job of `world_size` processes: every rank issued the same collectives in the same order;
@@ -136,8 +148,7 @@ def check(directory: Path, world_size: int, timeout_s: float | None = None,
     `timeout_s`, every group waits that long. Returns the ledger."""
     ledgers = read(directory)
     assert sorted(ledgers) == list(range(world_size)), f"ledgers of ranks {sorted(ledgers)}"
-    calls = {rank: [record for record in records if record["kind"] != TRAINING_DEVICE]
-             for rank, records in ledgers.items()}
+    calls = {rank: collectives(records) for rank, records in ledgers.items()}
     for rank, records in calls.items():
         for index, (first, other) in enumerate(zip(calls[0], records)):
             assert signature(first) == signature(other), (
@@ -150,6 +161,7 @@ def check(directory: Path, world_size: int, timeout_s: float | None = None,
         for record in records:
             if record["kind"] == TRAINING_DEVICE:
                 training_device = record["device"]
+            if record["kind"] in (TRAINING_DEVICE, SAMPLE_ANSWERS):
                 continue
             expected = "cpu" if record["host"] else training_device
             strays = [found for found in record.get("devices", []) if found != expected]

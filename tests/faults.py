@@ -2,15 +2,13 @@
 
     FAULT=kill|raise|sigterm|sigint|write|enospc|inf_loss FAULT_STEP=k [FAULT_RANK=r] \
         python tests/faults.py train.py <flags>
-    FAULT=slow_answers FAULT_SECONDS=s [FAULT_RANK=r] python tests/faults.py train.py <flags>
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
 `write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
 fail in its first tensor file, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving
 a partial file. `inf_loss` adds inf to each of rank r's micro-batch losses of step k: a non-finite loss on that
 rank alone, whose gradient stays finite. `load_base` makes loading the base model (alpaca.model.load_base_model,
-every strategy's) fail on every rank: a run that must not load it. `slow_answers` makes rank r's sample
-answers at the end of a run start s seconds late (a slow generation).
+every strategy's) fail on every rank: a run that must not load it.
 Without FAULT the script runs as it is. With LEDGER=directory its collectives are recorded there
 (tests/collective_ledger.py). Either way, the process-group threads still running when the script
 has returned, and the exit status it asks for, are printed last to stderr: a group destroyed for good leaves
@@ -25,14 +23,12 @@ import math
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
-import alpaca.generation  # noqa: E402
 import alpaca.loss  # noqa: E402
 import alpaca.output  # noqa: E402
 import alpaca.strategy  # noqa: E402
@@ -43,8 +39,8 @@ class Fault:
     """While active, the functions the scripts import when they start training are replaced by ones that
     count the optimizer steps and inject `mode` at `fault_step` (on this rank only if `on_this_rank`)."""
 
-    def __init__(self, mode: str | None, fault_step: int, on_this_rank: bool = True, seconds: float = 0.0):
-        self.mode, self.fault_step, self.on_this_rank, self.seconds = mode, fault_step, on_this_rank, seconds
+    def __init__(self, mode: str | None, fault_step: int, on_this_rank: bool = True):
+        self.mode, self.fault_step, self.on_this_rank = mode, fault_step, on_this_rank
         self.steps, self.saving_step = 0, None
         self.replaced = [(alpaca.strategy, "clip_and_step", self.clip_and_step),  # train.py's, DDP's and FSDP's
                          (alpaca.zero, "micro_step", self.deepspeed_micro_step),
@@ -53,8 +49,7 @@ class Fault:
                          (alpaca.checkpoint, "save_checkpoint", self.save_checkpoint),
                          (alpaca.checkpoint, "write_file", self.write_file),
                          (alpaca.loss, "summed_token_loss", self.summed_token_loss),
-                         (alpaca.strategy, "load_base_model", self.load_base_model),
-                         (alpaca.generation, "sample_answers", self.sample_answers)]
+                         (alpaca.strategy, "load_base_model", self.load_base_model)]
         self.original = {(module, name): getattr(module, name) for module, name, _ in self.replaced}
 
     def __enter__(self):
@@ -96,11 +91,6 @@ class Fault:
         if self.mode == "load_base":
             raise RuntimeError("injected failure: the base model loads")
         return self.original[alpaca.strategy, "load_base_model"](*args, **kwargs)
-
-    def sample_answers(self, *args, **kwargs):
-        if self.mode == "slow_answers" and self.on_this_rank:
-            time.sleep(self.seconds)
-        return self.original[alpaca.generation, "sample_answers"](*args, **kwargs)
 
     def save_interventions(self, *args, **kwargs):
         save_interventions = self.original[alpaca.output, "save_interventions"]
@@ -147,8 +137,7 @@ if __name__ == "__main__":
     status = 1  # what the interpreter exits with after an uncaught exception
     try:
         with Fault(os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0)),
-                   on_this_rank=os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"),
-                   seconds=float(os.environ.get("FAULT_SECONDS", 0))):
+                   on_this_rank=os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")):
             runpy.run_path(script, run_name="__main__")
         status = 0
     except SystemExit as exit:
