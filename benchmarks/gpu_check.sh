@@ -39,7 +39,8 @@
 #  11. Llama-3.1-70B's shapes on one GPU: a random NF4 base built layer by layer on the device
 #      (benchmarks/llama70b_nf4.py) and trained by train.py's loop as a --load_in_4bit base, with
 #      --gradient_checkpointing: the build's seconds, the run's tokens/s, and its peak memory beside the formula.
-#      NF4_70B_SHAPE (default: the whole model) passes that script fewer layers or a smaller vocabulary.
+#      NF4_70B_SHAPE (default: the whole model) passes that script fewer layers or a smaller vocabulary (and
+#      --layers within them: the default intervenes on 8 and 19).
 # SECTIONS picks some (default: "1a 1b 1c 2 3 4 5 6 7 8 9 10"; 1d and 11 when asked). Each section stops starting
 # runs after SECTION_SECONDS (default 300), and no run lasts more than RUN_SECONDS (default: no limit; a rehearsal's
 # short one); each run's whole output is in $OUT/NAME.log, and a run that fails prints its exit status and its

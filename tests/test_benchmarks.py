@@ -87,7 +87,7 @@ def test_gpu_check_sections_10_and_11_start_print_and_stop_at_their_budget_on_a_
     (fake_bin / "nvidia-smi").chmod(0o755)
     env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "PYTHON": sys.executable, "MODEL": str(tiny_model),
            "DATA": str(tiny_data), "OUT": str(tmp_path / "out"), "SECTIONS": "10 11", "SECTION_SECONDS": "100",
-           "RUN_SECONDS": "5", "NF4_70B_SHAPE": "--num_hidden_layers 2 --vocab_size 512"}
+           "RUN_SECONDS": "5", "NF4_70B_SHAPE": "--num_hidden_layers 2 --vocab_size 512 --layers 0"}
     started = time.monotonic()
     result = run_script(["benchmarks/gpu_check.sh"], env=env, launcher=["bash"], timeout=240)
     elapsed = time.monotonic() - started
@@ -103,6 +103,6 @@ def test_gpu_check_sections_10_and_11_start_print_and_stop_at_their_budget_on_a_
     refused_on_a_cpu = ("nccl-fsdp-offload", "nccl-zero3_offload")  # offload is for GPUs: one line, if within 5 s
     assert all(line.endswith("timed out after 5 s)") or re.search(r": passed( \(\d+ collectives in step\))?$", line)
                or line.startswith(refused_on_a_cpu) and line.endswith(": failed (exit 1)")
-               for line in verdicts), verdicts
+               for line in verdicts), "\n".join(verdicts)
     assert all((tmp_path / "out" / f"{name}.log").is_file() for name in names)
     assert elapsed < len(names) * (5 + 5) + 30  # each stopped at its 5 s (+ the kill's and bash's seconds)
