@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 import threading
 import traceback
 from pathlib import Path
@@ -170,7 +169,3 @@ def check(directory: Path, world_size: int, timeout_s: float | None = None,
             if timeout_s is not None:
                 assert record["timeout_s"] == timeout_s, f"rank {rank}: {record} waits {record['timeout_s']} s"
     return ledgers
-
-
-if __name__ == "__main__":
-    sys.exit("installed by tests/faults.py (LEDGER=directory)")
