@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from datasets import Dataset
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -50,6 +51,7 @@ from alpaca.distributed import (
     let_go_of_process_group,
     main_rank_result,
     run_checked,
+    start_process_group,
 )
 from alpaca.divergence import exit_if_diverged
 from alpaca.errors import UsageError
@@ -92,6 +94,7 @@ from alpaca.step_schedule import StepSchedule
 from alpaca.strategy import choose_strategy, local_parameter_bytes
 
 
+@record  # an error's traceback is the root cause in torchrun's summary (a one-line error: its line)
 def main(args: argparse.Namespace) -> None:
     """Set up the device and train on it; a mistake found after parsing ends the run with one line
     and exit status 2."""
@@ -103,8 +106,7 @@ def main(args: argparse.Namespace) -> None:
         dtype = resolve_dtype(args.dtype, device)
         check_attention(args.attn_implementation, device, dtype)
         backend = args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.ddp_timeout),
-                                device_id=bound_device(gpus))
+        start_process_group(backend, args.ddp_timeout, device_id=bound_device(gpus))
         try:
             if dist.get_rank() != 0:  # other ranks print errors only
                 quiet_non_main_rank()

@@ -37,6 +37,7 @@ from alpaca.flag_values import (
 )
 from alpaca.launcher_env import (
     exit_if_launched_on_several_processes,
+    exit_with_line,
     follow_accelerate_launch,
     follow_accelerate_precision_and_dynamo,
     is_main_process,
@@ -55,7 +56,7 @@ class UsageParser(argparse.ArgumentParser):
         """Exit with one line instead of argparse's usage block: the flag and the problem, then where to look."""
         if not is_main_process():
             wait_for_launcher()
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        exit_with_line(f"{self.prog}: error: {message} (see --help)", 2)
 
 
 def add_device_map_flags(group, note: str = "") -> None:
@@ -444,7 +445,6 @@ def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False)
 def exit_on_usage_error(prog: str, error: UsageError) -> None:
     """Report `error` on stderr and exit, for mistakes found after parsing (e.g. a layer out of range once the model's
     depth is known)."""
-    if not is_main_process():
+    if error.found_by_every_rank and not is_main_process():
         wait_for_launcher()  # and if it did not stop this rank, rank 0 never met the mistake: report it here
-    print(f"{prog}: error: {error}", file=sys.stderr)
-    raise SystemExit(error.exit_code)
+    exit_with_line(f"{prog}: error: {error}", error.exit_code)

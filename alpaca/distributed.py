@@ -1,12 +1,16 @@
-"""Letting go of the process group before it is destroyed, and small collectives that keep every rank in step
-when one of them fails."""
+"""Starting the process group, letting go of it before it is destroyed, and small collectives that keep every
+rank in step when one of them fails."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import gc
 import os
 import resource
+import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import TypeVar
@@ -19,10 +23,77 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-from alpaca.errors import UsageError
+from alpaca.errors import JoinTimeout, UsageError
 
 T = TypeVar("T")
 OK, FAILED = 0, 1
+
+
+def start_process_group(backend: str, timeout_s: int, device_id: torch.device | None) -> None:
+    """Start the default process group of the launcher's world; a rank that waits longer than `timeout_s` for
+    the others (--ddp_timeout) stops with one line saying what it waited for."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = attempt_store(rank, world_size, timeout) if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+        else None
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device_id)
+    except dist.DistError as error:  # the store's waits (DistStoreError), its connections, gloo's and NCCL's
+        raise JoinTimeout(f"rank {rank} waited --ddp_timeout {timeout_s}s for the {world_size} ranks to start the "
+                          f"{backend} process group, which did not form ({first_line(error)}); a rank that "
+                          "failed first said why above, and a slower start needs a larger --ddp_timeout") from None
+
+
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Return the store of this attempt's process group: hosted by rank 0, announced in torchrun's store.
+
+    torchrun hosts one store for every attempt of a job (torch 2.13 shares its rendezvous store with the
+    workers), and it keeps the keys of the attempt before: after a restart, ranks read the addresses of dead
+    ranks there and fail to connect, or wait for them (pytorch/pytorch#135712, #167288). A store of rank 0's
+    lives as long as its attempt; an announcement left by an attempt before names a port where nothing listens
+    any more, and is read again until rank 0 of this attempt has announced its own."""
+    agent_host, agent_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = dist.TCPStore(agent_host, agent_port, is_master=False, timeout=timeout)
+    key, deadline = "alpaca/process_group_store", time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        # torchrun's store stays where rank 0 was in the first rendezvous: a later one may put rank 0 elsewhere
+        host = address_towards(agent_host, agent_port)
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent_store.set(key, f"{store.port} {host}")
+        return store
+    while time.monotonic() < deadline:
+        agent_store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.1)))
+        with contextlib.suppress(dist.DistStoreError):  # the wait for the key timed out
+            port, host = agent_store.get(key).decode().split(" ", 1)
+            if is_listening(host, int(port)):
+                return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+            time.sleep(0.1)
+    raise JoinTimeout(f"rank {rank} waited --ddp_timeout {timeout.total_seconds():.0f}s for rank 0 to start the "
+                      "process group's store; rank 0 did not start (its lines say why), or needs a larger "
+                      "--ddp_timeout")
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's address on its route to host:port, where the other ranks reach it (no packet is sent)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def is_listening(host: str, port: int) -> bool:
+    """Tell whether a process listens at host:port (probed with a plain socket: a refused TCPStore connection
+    logs a C++ stack trace for each retry)."""
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def let_go_of_process_group() -> None:

@@ -1,10 +1,19 @@
-"""The two kinds of failure a user sees as one line and an exit status, never as a traceback."""
+"""The kinds of failure a user sees as one line and an exit status, never as a traceback."""
 
 
 class UsageError(ValueError):
     """A user mistake: reported as one line and a non-zero exit, never as a traceback."""
 
     exit_code = 2
+    found_by_every_rank = True  # rank 0 reports it; the others wait for the launcher to stop them
+
+
+class JoinTimeout(UsageError):
+    """A rank that waited --ddp_timeout for the others to start the process group: each rank that waited says so,
+    with exit status 1."""
+
+    exit_code = 1
+    found_by_every_rank = False
 
 
 class StorageError(UsageError):

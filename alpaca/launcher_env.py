@@ -4,9 +4,14 @@ Standard library only."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import socket
 import sys
+import time
+from pathlib import Path
+from typing import NoReturn
 
 from alpaca.errors import UsageError
 from alpaca.flag_values import sharding_flag
@@ -41,6 +46,20 @@ def spare_cores() -> int:
 def is_main_process() -> bool:
     """Tell whether this is rank 0, or not distributed. Every rank parses and validates; rank 0 reports a mistake."""
     return os.environ.get("RANK", "0") == "0"
+
+
+def exit_with_line(line: str, status: int) -> NoReturn:
+    """Print `line` (a mistake or a failure, told in one line) on stderr and exit with `status`. Under torchrun
+    the line is this worker's error file too, in the format torchelastic's `record` writes: torchrun's summary
+    then names it as the root cause of the failed attempt, where it would say `error_file: <N/A>`."""
+    print(line, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                             "timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(OSError):  # the line is out already
+            Path(error_file).write_text(json.dumps(record))
+    raise SystemExit(status)
 
 
 def follow_accelerate_launch(args: argparse.Namespace) -> None:

@@ -1,9 +1,12 @@
 """Run train.py or train_multigpu.py with a fault injected at an optimizer step, for the fault tests.
 
-    FAULT=kill|raise|sigterm|sigint|write|enospc|inf_loss FAULT_STEP=k [FAULT_RANK=r] \
+    FAULT=kill|raise|sigterm|sigint|write|enospc|inf_loss|stall FAULT_STEP=k [FAULT_RANK=r] \
         python tests/faults.py train.py <flags>
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
+Under torchrun --max_restarts, FAULT is a comma-separated list of each attempt's fault in turn
+(TORCHELASTIC_RESTART_COUNT; an empty item or the end of the list: that attempt runs clean), e.g. `kill,stall`.
+`stall` makes rank r never start the process group (it sleeps where it would join the others).
 `write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
 fail in its first tensor file, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving
 a partial file. `inf_loss` adds inf to each of rank r's micro-batch losses of step k: a non-finite loss on that
@@ -23,12 +26,14 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 import alpaca.checkpoint  # noqa: E402
+import alpaca.distributed  # noqa: E402
 import alpaca.loss  # noqa: E402
 import alpaca.output  # noqa: E402
 import alpaca.strategy  # noqa: E402
@@ -49,7 +54,8 @@ class Fault:
                          (alpaca.checkpoint, "save_checkpoint", self.save_checkpoint),
                          (alpaca.checkpoint, "write_file", self.write_file),
                          (alpaca.loss, "summed_token_loss", self.summed_token_loss),
-                         (alpaca.strategy, "load_base_model", self.load_base_model)]
+                         (alpaca.strategy, "load_base_model", self.load_base_model),
+                         (alpaca.distributed, "start_process_group", self.start_process_group)]
         self.original = {(module, name): getattr(module, name) for module, name, _ in self.replaced}
 
     def __enter__(self):
@@ -86,6 +92,11 @@ class Fault:
         if self.mode == "inf_loss" and self.steps == self.fault_step - 1 and self.on_this_rank:
             return loss + math.inf
         return loss
+
+    def start_process_group(self, *args, **kwargs):
+        if self.mode == "stall" and self.on_this_rank:
+            time.sleep(3600)
+        return self.original[alpaca.distributed, "start_process_group"](*args, **kwargs)
 
     def load_base_model(self, *args, **kwargs):
         if self.mode == "load_base":
@@ -127,6 +138,14 @@ def process_group_threads() -> list[str]:
     return sorted(name for name in names if name.startswith(("gloo", "pt_gloo", "pt_tcpstore")))
 
 
+def fault_from_environment() -> Fault:
+    """The fault that FAULT, FAULT_STEP and FAULT_RANK name for this process and this attempt of torchrun's."""
+    each_attempt = os.environ.get("FAULT", "").split(",")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return Fault(each_attempt[attempt] if attempt < len(each_attempt) else None, int(os.environ.get("FAULT_STEP", 0)),
+                 on_this_rank=os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"))
+
+
 if __name__ == "__main__":
     import runpy
 
@@ -136,8 +155,7 @@ if __name__ == "__main__":
     script, sys.argv = sys.argv[1], sys.argv[1:]
     status = 1  # what the interpreter exits with after an uncaught exception
     try:
-        with Fault(os.environ.get("FAULT"), int(os.environ.get("FAULT_STEP", 0)),
-                   on_this_rank=os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")):
+        with fault_from_environment():
             runpy.run_path(script, run_name="__main__")
         status = 0
     except SystemExit as exit:
