@@ -1,12 +1,13 @@
 """Run train.py or train_multigpu.py with a fault injected at an optimizer step, for the fault tests.
 
-    FAULT=kill|raise|sigterm|sigint|write|enospc|inf_loss|stall FAULT_STEP=k [FAULT_RANK=r] \
+    FAULT=kill|raise|sigterm|sigint|write|enospc|inf_loss|stall|late FAULT_STEP=k [FAULT_RANK=r] \
         python tests/faults.py train.py <flags>
 
 The fault hits rank r (default 0) during step k, before that step's update: the last finished step is k-1.
 Under torchrun --max_restarts, FAULT is a comma-separated list of each attempt's fault in turn
 (TORCHELASTIC_RESTART_COUNT; an empty item or the end of the list: that attempt runs clean), e.g. `kill,stall`.
-`stall` makes rank r never start the process group (it sleeps where it would join the others).
+`stall` makes rank r never start the process group (it sleeps where it would join the others), `late` start
+it 2 s after the others, as a rank slower to import or to set up its GPU does.
 `write` instead makes rank r's first write of interventions (a checkpoint's or the output's) after step k-1
 fail in its first tensor file, as a full disk would; `enospc` fails the write of checkpoint-k half-way, leaving
 a partial file. `inf_loss` adds inf to each of rank r's micro-batch losses of step k: a non-finite loss on that
@@ -94,8 +95,8 @@ class Fault:
         return loss
 
     def start_process_group(self, *args, **kwargs):
-        if self.mode == "stall" and self.on_this_rank:
-            time.sleep(3600)
+        if self.mode in ("stall", "late") and self.on_this_rank:
+            time.sleep(3600 if self.mode == "stall" else 2)
         return self.original[alpaca.distributed, "start_process_group"](*args, **kwargs)
 
     def load_base_model(self, *args, **kwargs):

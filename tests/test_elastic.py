@@ -28,10 +28,11 @@ def root_cause(torchrun_stderr: str) -> str:
 
 def test_kill_9_of_one_rank_is_recovered_by_torchruns_restart(tiny_model, tiny_data, tmp_path, reference):
     """Rank 1 is killed in step 6: torchrun restarts both ranks (standalone rendezvous), which go on from
-    checkpoint-4."""
+    checkpoint-4. In the restart rank 1 starts the process group 2 s after rank 0, as ranks on a real machine
+    come apart: one that read the addresses of the attempt before would not connect."""
     result = run_script([*STANDALONE, "--max_restarts", "1", FAULTS, "train_multigpu.py",
                          *flags(tiny_model, tiny_data, tmp_path, *DDP), *RESTARTED], launcher=TORCHRUN,
-                        env={"FAULT": "kill", "FAULT_STEP": "6", "FAULT_RANK": "1"})
+                        env={"FAULT": "kill,late", "FAULT_STEP": "6", "FAULT_RANK": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming {tmp_path / 'checkpoint-4'} at step 4" in result.stdout
     assert_same_run(tmp_path, reference / "ddp", exact=True)
