@@ -96,4 +96,4 @@ def test_the_check_refuses_a_removed_flag_and_an_unknown_command():
     with pytest.raises(AssertionError, match="no test runs"):
         check_command("python some_other_script.py --x")
     with pytest.raises(AssertionError, match="launcher flags"):
-        check_command("torchrun --max_restarts 3 train_multigpu.py ...")
+        check_command("torchrun --log_dir logs train_multigpu.py ...")

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    DDP,
     RECIPE_ENV,
     RECIPES,
     REPO,
     assert_same_run,
     disk_map,
+    flags,
     free_port,
     intervention_weights,
     recipe,
@@ -206,6 +208,18 @@ def test_slurm_recipe_under_a_stand_in_srun(runs, tmp_path):
                         cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(root / "recipe-slurm", root / "single")
+
+
+def test_elastic_recipe_recovers_a_killed_rank(tiny_model, tiny_data, tmp_path, reference):
+    """examples/launch/elastic.sh as a user runs it, with rank 1 killed in step 6 (tests/fault_hook injects the
+    fault into the workers that the recipe's torchrun starts): the job ends 0 with the uninterrupted run's model."""
+    result = run_script([str(RECIPES / "elastic.sh"), *flags(tiny_model, tiny_data, tmp_path, *DDP)],
+                        launcher=["bash"],
+                        env={**RECIPE_ENV, "NPROC": "2", "MAX_RESTARTS": "1", "FAULT": "kill", "FAULT_STEP": "6",
+                             "FAULT_RANK": "1", "PYTHONPATH": str(REPO / "tests" / "fault_hook")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "failed (exitcode: -9)" in result.stderr  # the kill happened, and torchrun saw it
+    assert_same_run(tmp_path, reference / "ddp", exact=True)
 
 
 def test_cpu_smoke_recipe_with_shared_interventions_in_file_order(tiny_model, tiny_data, tmp_path):
