@@ -123,7 +123,6 @@ def validate_generation(args: argparse.Namespace) -> None:
 if __name__ == "__main__":  # --help and usage errors answer here, before the heavy imports below
     ARGS = parse_args()
 
-import datetime
 import gc
 import hashlib
 import json
@@ -139,7 +138,7 @@ from alpaca.constants import CONVERSATION_FIELD, HELD_OUT_FILE
 from alpaca.data import check_conversation, check_conversations, read_local_records
 from alpaca.data_source import data_file_loader
 from alpaca.device_map import DeviceMap, local_rank_gpus
-from alpaca.distributed import let_go_of_process_group, main_rank_result, run_checked
+from alpaca.distributed import let_go_of_process_group, main_rank_result, run_checked, start_process_group
 from alpaca.generation import (
     SAMPLE_INSTRUCTIONS,
     answer,
@@ -332,7 +331,7 @@ def answer_file_in_process_group(args: argparse.Namespace) -> None:
         torch.cuda.set_device(gpus[0])
     device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     # Only Python objects travel between the processes (answers, indices): gloo, on the host, whatever the device.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.ddp_timeout))
+    start_process_group("gloo", args.ddp_timeout, device_id=None)
     try:
         answer_file(args, device, gpus)
     finally:  # however answering ends: what holds the group lets go of it, then it is destroyed

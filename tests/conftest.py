@@ -242,6 +242,11 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
                       launcher=[sys.executable, "-m", "torch.distributed.run"], timeout=timeout, env=env)
 
 
+def workers_output(torchrun_stderr: str) -> str:
+    """torchrun's stderr less its summary of a failed job, whose "Root Cause" repeats that worker's error line."""
+    return torchrun_stderr.split("\n" + "=" * 60 + "\n", 1)[0]
+
+
 def with_faked_gpus(count: int) -> list[str]:
     """A command for `torchrun --no-python` that runs the script after it as if CUDA saw `count` GPUs: how the
     scripts choose each process's GPUs, tested without one."""

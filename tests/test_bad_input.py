@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from conftest import run_in_process, torchrun, training_flags, with_faked_gpus, write_records
+from conftest import run_in_process, torchrun, training_flags, with_faked_gpus, workers_output, write_records
 
 SENTINEL = "an earlier result\n"
 
@@ -193,7 +193,8 @@ def test_more_processes_than_examples(tiny_model, tmp_path, output_dir):
     result = torchrun(2, ["train_multigpu.py", *training_flags(tiny_model, write_records(tmp_path / "one.json", 1),
                                                                output_dir, "--num_sample_answers", "0")])
     assert result.returncode != 0
-    assert result.stderr.count("1 training examples for 2 processes: every process needs at least one") == 1
+    message = "1 training examples for 2 processes: every process needs at least one"
+    assert workers_output(result.stderr).count(message) == 1
     assert (output_dir / "notes.txt").read_text() == SENTINEL
 
 
@@ -203,7 +204,7 @@ def test_more_processes_than_gpus(tiny_model, tmp_path, output_dir):
                           str(tiny_model), "--output_dir", str(output_dir)], extra=["--no-python"])
     assert result.returncode != 0
     message = "train_multigpu.py: error: 2 processes on this node but 1 GPU(s) visible; launch with --nproc_per_node 1"
-    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert workers_output(result.stderr).count(message) == 1, result.stderr[-3000:]
     assert (output_dir / "notes.txt").read_text() == SENTINEL
 
 
@@ -215,8 +216,8 @@ def test_a_mistake_every_rank_finds_is_reported_by_rank_0_even_when_it_is_last(o
     result = torchrun(2, [sys.executable, "-c", rank_0_late, "train_multigpu.py", "--learning_rate", "-1",
                           "--output_dir", str(output_dir)], extra=["--no-python"])
     assert result.returncode != 0
-    assert result.stderr.count("train_multigpu.py: error: --learning_rate must be positive, got -1.0") == 1, \
-        result.stderr[-3000:]
+    message = "train_multigpu.py: error: --learning_rate must be positive, got -1.0"
+    assert workers_output(result.stderr).count(message) == 1, result.stderr[-3000:]
     assert (output_dir / "notes.txt").read_text() == SENTINEL
 
 
@@ -224,7 +225,7 @@ def test_bad_input_on_every_rank_is_reported_once(tiny_model, tmp_path, output_d
     result = torchrun(2, ["train_multigpu.py", "--model_name_or_path", str(tiny_model), "--data_path",
                           str(tmp_path / "missing.json"), "--output_dir", str(output_dir)])
     assert result.returncode != 0
-    assert result.stderr.count("does not exist; pass a .json") == 1
+    assert workers_output(result.stderr).count("does not exist; pass a .json") == 1
 
 
 def test_non_ascii_and_very_long_records_just_work(tiny_model, tmp_path):

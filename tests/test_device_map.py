@@ -19,6 +19,7 @@ from conftest import (
     torchrun,
     training_flags,
     with_faked_gpus,
+    workers_output,
 )
 
 from alpaca.args import parse_args, resolve_device_defaults
@@ -110,7 +111,7 @@ def test_gpus_that_do_not_divide_among_the_processes(tiny_model, tmp_path):
     assert result.returncode != 0
     message = ("train_multigpu.py: error: --device_map gives each process an equal group of the node's GPUs, but 3 "
                "GPUs do not divide among 2 processes; launch with --nproc_per_node one of 1, 3")
-    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert workers_output(result.stderr).count(message) == 1, result.stderr[-3000:]
 
 
 @pytest.mark.fast

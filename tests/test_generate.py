@@ -21,6 +21,7 @@ from conftest import (
     torchrun,
     training_flags,
     with_faked_gpus,
+    workers_output,
 )
 from datasets import Dataset
 
@@ -285,7 +286,7 @@ def test_more_processes_than_gpus(runs, eval_file, tmp_path):
                           str(eval_file[0]), "--output_file", str(tmp_path / "answers.json")], extra=["--no-python"])
     assert result.returncode != 0
     message = "generate.py: error: 2 processes on this node but 1 GPU(s) visible; launch with --nproc_per_node 1"
-    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert workers_output(result.stderr).count(message) == 1, result.stderr[-3000:]
     assert not (tmp_path / "answers.json").exists()
 
 
