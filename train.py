@@ -26,6 +26,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 from datasets import Dataset
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -80,6 +81,7 @@ from alpaca.step_schedule import StepSchedule
 from alpaca.strategy import choose_strategy
 
 
+@record  # an error's traceback is the root cause in torchrun's summary (a one-line error: its line)
 def main(args: argparse.Namespace) -> None:
     """Set up the device and train on it; a mistake found after parsing ends the run with one line
     and exit status 2."""
