@@ -143,8 +143,7 @@ def test_a_checkpoint_cut_short_is_incomplete(tmp_path, killed_run):
 def failed_run(processes: int, mode: str, step: int, tiny_model, tiny_data, output_dir) -> tuple[int, str]:
     """(exit status, stderr) of a run whose write fails (tests/faults.py's `mode` at `step`): train.py in this
     process, or train_multigpu.py on 2 ranks, where rank 1 must learn it from rank 0 and each rank leave on its
-    own instead of waiting in the next collective for --ddp_timeout. On 2 ranks the stderr is the workers', less
-    torchrun's summary (whose root cause repeats rank 0's line where rank 0 failed first)."""
+    own instead of waiting in the next collective for --ddp_timeout."""
     if processes == 1:
         with Fault(mode, step):
             status, _, stderr = run_in_process("train.py", flags(tiny_model, tiny_data, output_dir, *SINGLE))
@@ -153,7 +152,7 @@ def failed_run(processes: int, mode: str, step: int, tiny_model, tiny_data, outp
                           "--ddp_timeout", "600"], env={"FAULT": mode, "FAULT_STEP": str(step)},
                       extra=EACH_RANK_ENDS_ON_ITS_OWN, timeout=180)
     assert_every_rank_left_on_its_own(failed.stderr)
-    return failed.returncode, workers_output(failed.stderr)
+    return failed.returncode, failed.stderr
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -164,7 +163,8 @@ def test_a_full_disk_ends_the_run_with_one_line_and_resume_is_exact(tiny_model, 
     and reads checkpoints; an exact 2-process resume: test_resume.py)."""
     status, stderr = failed_run(processes, "enospc", 4, tiny_model, tiny_data, tmp_path)
     assert status != 0
-    [message] = [line for line in stderr.splitlines() if "error: writing" in line]  # rank 0's, once
+    # rank 0's, once (torchrun's summary repeats it as the root cause where rank 0 failed first)
+    [message] = [line for line in workers_output(stderr).splitlines() if "error: writing" in line]
     assert f"writing {tmp_path / 'checkpoint-4'} failed: No space left on device" in message
     assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-2'}" in message
     assert "--resume_from_checkpoint auto" in message
@@ -190,7 +190,8 @@ def test_a_failed_output_write_keeps_the_checkpoints(tiny_model, tiny_data, tmp_
     if processes == 1:
         assert status == 1, stderr[-3000:]
     script = "train.py" if processes == 1 else "train_multigpu.py"
-    [message] = [line for line in stderr.splitlines() if "error: writing" in line]  # rank 0's, once
+    # rank 0's, once (torchrun's summary repeats it as the root cause where rank 0 failed first)
+    [message] = [line for line in workers_output(stderr).splitlines() if "error: writing" in line]
     assert message.startswith(f"{script}: error: writing the output to {tmp_path} failed: No space left on device "
                               "(injected"), stderr[-3000:]
     assert f"The newest intact checkpoint is {tmp_path / 'checkpoint-8'}" in message
