@@ -79,6 +79,7 @@ from alpaca.output import (
     start_line,
     train_record,
 )
+from alpaca.plan import plan
 from alpaca.resume import (
     TrainingStart,
     check_finished,
@@ -99,6 +100,8 @@ def main(args: argparse.Namespace) -> None:
     """Set up the device and train on it; a mistake found after parsing ends the run with one line
     and exit status 2."""
     try:
+        if args.plan is not None:  # two steps on fake GPUs: peak memory and a verdict (alpaca.plan)
+            return plan(PROG, args, backward_step)
         started = time.perf_counter()
         launched_alone_as_world_of_one()  # plain `python`: torchrun's environment for one process
         device, gpus = choose_device(args)

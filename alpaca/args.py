@@ -31,6 +31,7 @@ from alpaca.flag_values import (
     parse_field_map,
     parse_layers,
     parse_max_memory,
+    parse_plan,
     parse_position,
     sharding_flag,
     str2bool,
@@ -193,6 +194,9 @@ def build_parser(prog: str, multigpu: bool = False) -> argparse.ArgumentParser:
     flag("--warmup_ratio", type=float, default=0.0)
     flag("--warmup_steps", type=int, default=0, help="overrides --warmup_ratio when > 0")
     flag("--seed", type=int, default=42)
+    flag("--plan", type=parse_plan, default=None, metavar="[NODESx]GPUSxMEMORY",
+         help="train nothing: run two steps of this command on fake GPUs (e.g. 8x80GB, 2x8x40GiB) and print each "
+              "rank's peak GPU memory and whether it fits (docs/big-models.md#will-it-fit)")
     flag("--remove_unused_columns", type=str2bool, nargs="?", const=True, default=False,
          help="accepted because pyreft's example defines it; the collator picks its own columns either way")
 
@@ -279,8 +283,11 @@ NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
 }
 
 
-def validate(args: argparse.Namespace) -> None:
+def validate(args: argparse.Namespace, multigpu: bool = False) -> None:
     """Run the checks that need no model, before anything heavy is imported or loaded."""
+    if args.plan is not None and not multigpu and args.plan[0] * args.plan[1] > 1:
+        raise UsageError("train.py trains on one process: plan it with --plan 1x<MEMORY>, or plan N GPUs with "
+                         "train_multigpu.py")
     check_torch(shards_4bit=bool(getattr(args, "fsdp", "")) and args.load_in_4bit)
     parse_position(args.position)
     parse_layers(args.layers)
@@ -436,7 +443,7 @@ def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False)
     parser = build_parser(prog, multigpu=multigpu)
     args = parser.parse_args(argv)
     try:
-        validate(args)
+        validate(args, multigpu)
     except UsageError as error:
         exit_on_usage_error(prog, error)
     return args

@@ -21,3 +21,10 @@ class StorageError(UsageError):
     way, with exit status 1 (it is not a mistake on the command line)."""
 
     exit_code = 1
+
+
+class PlannedFailure(UsageError):
+    """What the code would do wrong on GPUs, found by --plan on fake ones (alpaca.plan): reported the same way, with
+    exit status 1 (the command line is not at fault)."""
+
+    exit_code = 1

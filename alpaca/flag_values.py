@@ -118,3 +118,23 @@ def parse_layers(layers: str, num_hidden_layers: int | None = None) -> list[int]
 def sharding_flag(args: argparse.Namespace) -> str | None:
     """Return the flag that shards the base, if one does (train.py has neither)."""
     return "--fsdp" if getattr(args, "fsdp", "") else "--deepspeed" if getattr(args, "deepspeed", None) else None
+
+
+_PLAN = re.compile(r"^(?:(\d+)x)?(\d+)x(\d+(?:\.\d+)?)\s*([KMGT])(i?)B$", re.IGNORECASE)
+_UNITS = {"K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_plan(value: str) -> tuple[int, int, int]:
+    """Parse --plan [NODESx]GPUSxMEMORY, e.g. '8x80GB' or '2x8x80GiB' -> (nodes, GPUs per node, bytes per GPU);
+    GB are 10^9 bytes and GiB 2^30, as accelerate reads sizes."""
+    match = _PLAN.match(value.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"--plan {value!r}: expected [NODESx]GPUSxMEMORY, e.g. 8x80GB or 2x8x40GiB")
+    nodes, gpus, amount, unit, binary = match.groups()
+    nodes, gpus = int(nodes or 1), int(gpus)
+    if nodes < 1 or gpus < 1:
+        raise argparse.ArgumentTypeError(f"--plan {value!r}: a world needs at least 1 node and 1 GPU a node")
+    gpu_bytes = int(float(amount) * (1024 if binary else 1000) ** _UNITS[unit.upper()])
+    if gpu_bytes <= 0:
+        raise argparse.ArgumentTypeError(f"--plan {value!r}: the GPU memory must be positive")
+    return nodes, gpus, gpu_bytes

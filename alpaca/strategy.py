@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -183,6 +184,8 @@ class FSDP(Strategy):
             raise UsageError("--fsdp offload keeps the shards in CPU memory for GPUs; on CPUs drop 'offload'")
         super().__init__(device, max_grad_norm, quantization=quantization)  # 4-bit: each rank 1/N of the bytes
         self.offload = offload
+        # one mesh over every rank, built before the model exists (alpaca.plan builds the model on fake tensors)
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if dist.is_initialized() else None
         if device.type == "cpu":
             return_freed_buffers_to_the_os()
 
@@ -191,7 +194,7 @@ class FSDP(Strategy):
         return load_base_model(model_path, dtype, torch.device("meta"), cache_dir, quantization=self.quantization)
 
     def wrap(self, reft_model, optimizer, scheduler, optimizer_state):
-        shard_base_model(reft_model.model, self.device, self.offload)
+        shard_base_model(reft_model.model, self.device, self.offload, self.mesh)
         load_shards(reft_model.model, self.model_path, self.device, self.cache_dir, offload=self.offload)
         reft_model.interventions.to(self.device)
         index_tensors_on(reft_model, self.device)
@@ -267,13 +270,13 @@ class ZeRO(Strategy):
         return [zero.own_partition(p) for p in parameters] if self.shards_base else super().owned(parameters)
 
 
-def shard_base_model(model, device: torch.device, offload: bool = False) -> None:
+def shard_base_model(model, device: torch.device, offload: bool = False, mesh: DeviceMesh | None = None) -> None:
     """Shard the frozen base with FSDP2: each decoder layer is a unit, all-gathered just before it runs and freed
     after; so are untied input embeddings and LM head, the largest units of a small model. The root unit
     holds the rest (final norm; tied embeddings, one parameter, gathered for the whole forward and
     backward). Build the ReFT model first: pyvene finds its hook points by the model's class, which
-    `fully_shard` replaces."""
-    options = {}
+    `fully_shard` replaces. `mesh`: every rank's (FSDP's, built before the model), by default a new one."""
+    options = {"mesh": mesh or init_device_mesh(device.type, (dist.get_world_size(),))}
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32)
         if offload:

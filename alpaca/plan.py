@@ -1,0 +1,310 @@
+"""--plan: will this command fit? Two optimizer steps of the script's own step, on fake GPUs, in one CPU process.
+
+    python train_multigpu.py --model_name_or_path DIR --fsdp ... --plan 8x80GB
+
+The process is rank 0 of a world of NODES x GPUS on torch's "fake" process group (every collective returns at
+once), its device a fake CUDA device (alpaca.fake_cuda): every tensor is a FakeTensor, with a shape, a dtype and a
+device but no memory, so a 70B base costs the host nothing. The base is built from its config.json alone (no
+weight is read: the strategy's readers of weights allocate fake tensors instead, `weights_not_read`); the
+interventions, the optimizer and the collator are the script's; the micro-batches are the longest the data gives
+(or --model_max_length wide where the model has no tokenizer); the step is the script's `backward_step` and
+`strategy.step`. torch's MemTracker (FSDP2's, under --fsdp) follows every tensor on the device, by what it is,
+and its peak is the plan's. Every collective of the wrap and the steps, FSDP2's own included, is held to NCCL's
+rule (fake_cuda.NCCLDeviceRule): a tensor off the rank's GPU fails the plan with its call site.
+
+What is planned: train.py's one GPU and --fsdp (with --gradient_checkpointing and any --per_device_train_batch_size).
+DDP's reducer, DeepSpeed and bitsandbytes need real tensors: a plan of them is refused with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import time
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from alpaca import fake_cuda
+from alpaca.collate import Collator, give_step_counts, step_counts
+from alpaca.errors import UsageError
+from alpaca.flag_values import parse_layers, parse_position
+from alpaca.model import (
+    build_reft_model,
+    enable_gradient_checkpointing,
+    intervention_parameters,
+    resolve_dtype,
+    resolve_model_path,
+    set_attention,
+)
+from alpaca.optim import build_optimizer
+from alpaca.output import LogWindow
+from alpaca.step_schedule import StepSchedule
+from alpaca.strategy import FSDP, Strategy, ZeRO, choose_strategy, local_parameter_bytes
+
+PLANNED_STEPS = 2  # the second has the optimizer state the first created: the peak of every later step
+GiB = 2**30
+
+
+def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
+    """Plan the command of `args` (see the module's docstring) and print the plan; `backward_step` is the script's."""
+    fake_cuda.run_with_fake_cuda(args.cache_dir)  # may start this command again, with fake CUDA devices
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    started = time.perf_counter()
+    nodes, gpus_per_node, gpu_bytes = args.plan
+    world_size = nodes * gpus_per_node
+    if gpus_per_node > fake_cuda.DEVICES:
+        raise UsageError(f"--plan plans up to {fake_cuda.DEVICES} GPUs a node; got {gpus_per_node}")
+    fake_cuda.answer_torch_cuda(gpu_bytes)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(gpus_per_node))
+    config = read_config(args)
+    device = torch.device("cuda", 0)
+    args.pad_to_multiple_of = args.pad_to_multiple_of or 64  # resolve_device_defaults' GPU default
+    dtype = resolve_dtype(args.dtype, device)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        strategy = choose_strategy(args, device, dtype, [0], distributed=prog == "train_multigpu.py")
+        check_planned(strategy)
+        micro_batches, collate, source = longest_micro_batches(args, config)
+        # train_multigpu.py's step also takes a placeholder for a rank's missing micro-batches, and the GPUs whose
+        # random state it keeps: every micro-batch planned is real
+        takes = inspect.signature(backward_step).parameters
+        rank_options = {"placeholder": micro_batches[0], "gpus": []} if "placeholder" in takes else {}
+        with fake_cuda.fake_tensor_mode(), fake_cuda.gpu_attention_kernels(), weights_not_read():
+            reft_model, optimizer, scheduler = build_planned_model(args, strategy, config, dtype, collate)
+            with fake_cuda.HostReads(), fake_cuda.NCCLDeviceRule(device) as rule:
+                train_model = strategy.wrap(reft_model, optimizer, scheduler, None)
+                tracker = memory_tracker(strategy, reft_model, optimizer)
+                with one_forward_at_a_time(tracker, train_model), tracker:
+                    for step in range(PLANNED_STEPS):
+                        window = LogWindow(device)
+                        counts = [count * world_size for count in step_counts(micro_batches)]  # every rank's alike
+                        give_step_counts(micro_batches, counts)
+                        backward_step(strategy, train_model, micro_batches, counts[0], window, device,
+                                      **rank_options)
+                        strategy.step(step + 1)
+        # by category name: the tracker's keys are str enums, which hash by their member's name
+        snapshot = tracker.get_tracker_snapshot("peak")[device]
+        peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
+        parts = memory_parts(peak, reft_model, optimizer)
+    finally:
+        dist.destroy_process_group()
+    print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
+                      time.perf_counter() - started, rule.count))
+
+
+class FrozenBaseMemTracker(MemTracker):
+    """torch's MemTracker, without its hook on every parameter's gradient, which a frozen one refuses. Every tensor
+    is still counted as it is allocated; a gradient is then labelled a temporary until its parameter's module runs
+    again (memory_parts counts the interventions' own)."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+
+def memory_tracker(strategy: Strategy, reft_model, optimizer) -> MemTracker:
+    """Return torch's tracker of every tensor's memory by what it is: FSDP2's under --fsdp (sharded and gathered
+    parameters, all-gather and reduce-scatter buffers), else MemTracker over the ReFT model and the optimizer."""
+    if isinstance(strategy, FSDP):
+        return FSDPMemTracker(reft_model.model, optimizer)
+    tracker = FrozenBaseMemTracker()
+    tracker.track_external(reft_model, optimizer)
+    return tracker
+
+
+@contextlib.contextmanager
+def one_forward_at_a_time(tracker: MemTracker, top: torch.nn.Module) -> Iterator[None]:
+    """Clear the tracker's statistics of each module before each forward of `top`: MemTracker refuses a second forward
+    of a module it has statistics of (a micro-batch, a step), and the plan reads only the device's peak. Registered
+    before the tracker's own hooks, so that it runs first."""
+    def clear(module: torch.nn.Module, inputs) -> None:
+        if module is top:
+            tracker.reset_mod_stats()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(clear)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def read_config(args: argparse.Namespace):
+    """Read the model's config.json (a directory's, or a hub name's from the cache), the only file a plan needs."""
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(args.model_name_or_path, args.cache_dir),
+                                          cache_dir=args.cache_dir)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0]
+        raise UsageError(f"--plan builds the base from its config: cannot read the config of "
+                         f"--model_name_or_path {args.model_name_or_path!r}: {reason}") from None
+
+
+def check_planned(strategy: Strategy) -> None:
+    """Refuse what cannot run on fake tensors, with the reason."""
+    if isinstance(strategy, ZeRO):
+        raise UsageError("--plan does not plan --deepspeed: DeepSpeed's engine needs real tensors; plan --fsdp, "
+                         "which shards the base as ZeRO-3 does (docs/big-models.md#will-it-fit)")
+    if strategy.quantization is not None:
+        raise UsageError("--plan does not plan --load_in_4bit/--load_in_8bit: bitsandbytes quantizes real weights; "
+                         "plan the base in --dtype (docs/big-models.md#will-it-fit)")
+    if strategy.device_map is not None:
+        raise UsageError("--plan does not plan --device_map: accelerate places real weights; plan --fsdp "
+                         "(docs/big-models.md#will-it-fit)")
+    if type(strategy) is not Strategy and not isinstance(strategy, FSDP):
+        raise UsageError("--plan does not plan DDP: its reducer copies real gradients; plan --fsdp, or one GPU with "
+                         "train.py (DDP holds what one GPU holds, plus a copy of the interventions' gradients)")
+
+
+def longest_micro_batches(args: argparse.Namespace, config) -> tuple[list[dict], Collator, str]:
+    """Collate the step of the longest examples: the data's, tokenized as training does, where the model has a
+    tokenizer; else --model_max_length tokens each, with the shortest prompt the positions allow (the most logits).
+    Returns the micro-batches, the collator and where their tokens come from."""
+    position = parse_position(args.position)
+    num_layers = num_intervened_layers_of(args, config)
+    count = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    path = resolve_model_path(args.model_name_or_path, args.cache_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, cache_dir=args.cache_dir)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    if tokenizer is not None:
+        from alpaca.data import load_training_splits, tokenize_splits
+
+        records, _ = load_training_splits(args)
+        [dataset] = tokenize_splits([records], tokenizer, args)
+        longest = np.argsort(-np.array(dataset["length"]), kind="stable")[:count]
+        examples = [dataset[int(index)] for index in longest]
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+        source = f"the {len(examples)} longest examples of the data ({examples[0]['length']} tokens at most)"
+    else:
+        length, prompt = args.model_max_length, max(1, sum(position))
+        examples = [{"input_ids": [index % config.get_text_config().vocab_size for index in range(length)],
+                     "prompt_length": prompt, "length": length}] * count
+        pad_id = 0
+        source = f"{count} examples of --model_max_length {length} tokens (the model has no tokenizer)"
+    collate = Collator(pad_id, position, args.share_weights, num_layers, args.pad_to_multiple_of)
+    size = args.per_device_train_batch_size
+    micro_batches = [collate(examples[start:start + size]) for start in range(0, len(examples), size)]
+    return micro_batches, collate, source
+
+
+def num_intervened_layers_of(args: argparse.Namespace, config) -> int:
+    """Count the intervened layers, which the collator builds locations for (alpaca.model.num_intervened_layers
+    counts them in the built model)."""
+    return len(parse_layers(args.layers, config.get_text_config(decoder=True).num_hidden_layers))
+
+
+@contextlib.contextmanager
+def weights_not_read() -> Iterator[None]:
+    """Replace the strategies' readers of weights: --fsdp's shards are allocated (fake) where they live, never read."""
+    def allocate_shards(model, model_name_or_path, device, cache_dir=None, offload=False) -> None:
+        model.to_empty(device=torch.device("cpu") if offload else device)
+        for module in model.modules():  # buffers on the device either way, as load_shards places them
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(name, torch.empty_like(buffer, device=device),
+                                       persistent=name not in module._non_persistent_buffers_set)
+
+    # --fsdp offload pins its CPU shards, an operation FakeTensorMode lacks: a fake tensor holds no memory to pin
+    with (mock.patch("alpaca.strategy.load_shards", allocate_shards),
+          mock.patch.object(torch.Tensor, "pin_memory", lambda tensor, device=None: tensor)):
+        yield
+
+
+def build_planned_model(args: argparse.Namespace, strategy: Strategy, config, dtype: torch.dtype,
+                        collate: Collator):
+    """Build the base from its config (on the meta device where the strategy shards it, else on its device), and
+    the interventions, the optimizer and the schedule as load_data_and_model and train do."""
+    with torch.device("meta" if strategy.shards_base else strategy.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    model.requires_grad_(False)
+    model.eval()
+    if isinstance(strategy, FSDP):  # what FSDP.load_base keeps for load_shards
+        strategy.model_path, strategy.cache_dir = args.model_name_or_path, args.cache_dir
+    set_attention(model, args.attn_implementation)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    torch.manual_seed(args.seed)
+    reft_model = build_reft_model(model, args.layers, collate.position, args.share_weights,
+                                  low_rank_dimension=args.rank, dropout=args.dropout,
+                                  intervention=args.intervention, component=args.component)
+    world_size = dist.get_world_size()
+    schedule = StepSchedule.from_args(args, max(world_size * args.per_device_train_batch_size, 1), world_size)
+    optimizer, scheduler = build_optimizer(reft_model, args, schedule)
+    return reft_model, optimizer, scheduler
+
+
+def memory_parts(peak: dict[str, int], reft_model, optimizer) -> dict[str, int]:
+    """Split the device's peak: the base parameters this rank holds, the interventions with their gradients and
+    optimizer state (counted exactly), the communication buffers (FSDP2's gathered units and their all-gather and
+    reduce-scatter buffers), and the rest, activations and temporaries of the longest step."""
+    parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+    interventions = sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for p in parameters) + sum(
+        value.nbytes for state in optimizer.state.values() for value in state.values()
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda")
+    base = local_parameter_bytes(reft_model.model) + sum(
+        buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
+    if any(p.device.type == "cpu" for p in reft_model.model.parameters()):  # --fsdp offload: shards in CPU memory
+        base = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
+    communication = sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather",
+                                                       "Reduce Scatter"))
+    total = peak["Total"]
+    return {"base": base, "interventions": interventions, "communication": communication,
+            "activations": max(total - base - interventions - communication, 0), "total": total}
+
+
+def plan_report(args: argparse.Namespace, strategy: Strategy, world_size: int, gpu_bytes: int,
+                parts: dict[str, int], micro_batches: list[dict], source: str, seconds: float,
+                collectives: int) -> str:
+    """Say what each rank holds at its peak, the headroom, and whether it fits; if not, what to try."""
+    width = micro_batches[0]["input_ids"].shape[1]
+    headroom = gpu_bytes - parts["total"]
+    lines = [
+        f"Plan of {world_size} x {gpu_bytes / GiB:.2f} GiB GPUs, {strategy.layout}, {len(micro_batches)} micro-batch"
+        f"{'es' * (len(micro_batches) > 1)} of {args.per_device_train_batch_size} x {width} tokens a step ({source}); "
+        "every rank holds the same:",
+        f"  base model (this rank's part)        {parts['base'] / GiB:9.3f} GiB",
+        f"  interventions, gradients, AdamW      {parts['interventions'] / GiB:9.3f} GiB",
+        f"  activations and temporaries          {parts['activations'] / GiB:9.3f} GiB",
+        f"  communication buffers                {parts['communication'] / GiB:9.3f} GiB",
+        f"  peak GPU memory                      {parts['total'] / GiB:9.3f} GiB of {gpu_bytes / GiB:.2f} GiB "
+        f"({headroom / GiB:+.3f} GiB headroom; {parts['total']} bytes)",
+    ]
+    if headroom >= 0:
+        lines.append("Verdict: fits.")
+    else:
+        lines.append("Verdict: does not fit. " + remedies(args, strategy, world_size, parts, gpu_bytes))
+    lines.append(f"Planned in {seconds:.0f}s on fake GPUs: {PLANNED_STEPS} steps of the script's own step, whose "
+                 f"{collectives} collectives all took tensors on the rank's GPU, as NCCL needs; nothing was trained "
+                 "or written.")
+    return "\n".join(lines)
+
+
+def remedies(args: argparse.Namespace, strategy: Strategy, world_size: int, parts: dict[str, int],
+             gpu_bytes: int) -> str:
+    """Name the flags that shrink the larger of what overflows, the base or the activations, first; each is to be
+    planned again, not assumed to fit."""
+    base_flags, activation_flags = [], []
+    if not strategy.shards_base and world_size > 1:
+        base_flags.append("--fsdp (the base sharded over the ranks)")
+    if strategy.shards_base and parts["base"]:
+        base_flags.append("--fsdp offload (the shards in CPU memory)")
+    if not args.gradient_checkpointing:
+        activation_flags.append("--gradient_checkpointing (a decoder layer's activations recomputed in the backward)")
+    if args.per_device_train_batch_size > 1:
+        half = args.per_device_train_batch_size // 2
+        activation_flags.append(f"--per_device_train_batch_size {half} --gradient_accumulation_steps "
+                                f"{args.gradient_accumulation_steps * 2} (the same global batch)")
+    flags = (base_flags + activation_flags if parts["base"] > parts["activations"]
+             else activation_flags + base_flags)
+    over = (parts["total"] - gpu_bytes) / GiB
+    return f"It is {over:.3f} GiB over. Try, and plan again: {'; '.join(flags) or 'more or larger GPUs'}."

@@ -1,0 +1,192 @@
+"""--plan: the scripts' own step on fake GPUs (alpaca.plan). Each plan runs in a fresh interpreter: on a CPU build of
+torch it starts itself again with the fake CUDA library preloaded."""
+
+import json
+import re
+
+import pytest
+from conftest import build_tiny_model, free_port, run_script, write_records
+
+GiB = 2**30
+LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+
+
+def llama_config(directory, **fields):
+    """A directory holding only a Llama config.json: no tokenizer, no weights."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**fields).save_pretrained(directory)
+    return directory
+
+
+def planned(result) -> dict[str, float]:
+    """The plan's figures, in GiB, by the words its lines start with."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = {}
+    for name in ("base model", "interventions", "activations", "communication", "peak GPU memory"):
+        match = re.search(rf"^  {name}.*?(-?\d+\.\d+) GiB", result.stdout, re.MULTILINE)
+        assert match, result.stdout
+        figures[name] = float(match.group(1))
+    return figures
+
+
+def parameter_bytes(fields: dict) -> int:
+    """The bfloat16 bytes of a Llama model's parameters, counted from its shapes."""
+    hidden, inner, layers, vocab = (fields[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                          "vocab_size"))
+    head_dim = hidden // fields["num_attention_heads"]
+    kv = fields["num_key_value_heads"] * head_dim
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner + 2 * hidden  # attention, MLP, 2 norms
+    return 2 * (layers * per_layer + vocab * hidden * (1 if fields["tie_word_embeddings"] else 2) + hidden)
+
+
+def test_a_70b_plan_at_world_size_8_shards_the_base_exactly(tmp_path):
+    """The Llama-3.1-70B shapes at world size 8 under --fsdp: each rank's base is the parameters' bytes over 8,
+    and two steps of 1 x 64 tokens fit in 80 GB."""
+    model = llama_config(tmp_path / "llama-70b", **LLAMA_70B)
+    result = run_script(["train_multigpu.py", "--model_name_or_path", str(model), "--fsdp", "--plan", "8x80GB",
+                         "--layers", "8;19", "--per_device_train_batch_size", "1", "--model_max_length", "64",
+                         "--output_dir", str(tmp_path / "out")], timeout=900)
+    figures = planned(result)
+    assert "(the model has no tokenizer)" in result.stdout
+    base_shard = parameter_bytes(LLAMA_70B) / 8 / GiB
+    assert figures["base model"] == pytest.approx(base_shard, abs=0.0006)  # printed to 3 decimals
+    assert "Verdict: fits." in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plan_that_does_not_fit_names_what_to_try(tmp_path):
+    """The tiny model's FSDP plan on GPUs of 1 MB: over, with --gradient_checkpointing among the flags to try;
+    on 1 GB it fits, with the data's longest examples as the step."""
+    model = build_tiny_model(tmp_path / "tiny")
+    data = write_records(tmp_path / "data.json", 16)
+    common = ["train_multigpu.py", "--model_name_or_path", str(model), "--data_path", str(data), "--layers", "1;2",
+              "--fsdp", "--output_dir", str(tmp_path / "out")]
+    small = run_script([*common, "--plan", "2x1MB"])
+    assert small.returncode == 0, small.stderr[-3000:]
+    assert "Verdict: does not fit." in small.stdout and "--gradient_checkpointing" in small.stdout
+    fits = run_script([*common, "--plan", "2x1GB"])
+    assert "Verdict: fits." in fits.stdout and "longest examples of the data" in fits.stdout
+    assert planned(fits)["peak GPU memory"] > 0
+
+
+def test_train_py_plans_one_gpu_and_its_peak_grows_with_the_batch(tmp_path):
+    """train.py's plan on one GPU: twice the micro-batch, more activations, the same base."""
+    model = llama_config(tmp_path / "config-only", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    common = ["train.py", "--model_name_or_path", str(model), "--layers", "1;2", "--model_max_length", "128",
+              "--plan", "1x80GB", "--output_dir", str(tmp_path / "out")]
+    one, two = (planned(run_script([*common, "--per_device_train_batch_size", size])) for size in ("4", "8"))
+    assert one["base model"] == two["base model"] > 0
+    assert two["activations"] > 1.5 * one["activations"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--plan", "8x80"], "--plan '8x80': expected [NODESx]GPUSxMEMORY"),
+    (["--plan", "0x80GB"], "at least 1 node and 1 GPU"),
+    (["--plan", "8x80GB", "--model_name_or_path", "MISSING"], "cannot read the config"),
+    (["--plan", "8x80GB", "--model_name_or_path", "EMPTY"], "cannot read the config"),
+    (["--plan", "8x80GB"], "does not plan DDP"),
+    (["--plan", "8x80GB", "--load_in_4bit", "--fsdp"], "does not plan --load_in_4bit"),
+])
+def test_bad_plans_end_with_one_line(flags, message, tmp_path):
+    """An unparsable GPU memory, an empty world, a model without a readable config, and what a plan cannot run:
+    one line, exit 2, nothing written."""
+    (tmp_path / "empty").mkdir()
+    model = llama_config(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    flags = [{"MISSING": str(tmp_path / "missing"), "EMPTY": str(tmp_path / "empty")}.get(flag, flag)
+             for flag in flags]
+    if "--model_name_or_path" not in flags:
+        flags += ["--model_name_or_path", str(model)]
+    result = run_script(["train_multigpu.py", "--layers", "0", "--output_dir", str(tmp_path / "out"), *flags])
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+    assert json.loads((model / "config.json").read_text())["hidden_size"] == 64  # the model untouched
+
+
+def same_length_records(path, count: int):
+    """Records all of one length: every step of a real run is the plan's longest step."""
+    record = {"instruction": "Name three colors of the rainbow and say why the sky is blue.", "input": "",
+              "output": "Red, orange and yellow; sunlight scatters off the air, blue most of all."}
+    path.write_text(json.dumps([record] * count))
+    return path
+
+
+@pytest.mark.parametrize("script, strategy", [("train.py", []), ("train_multigpu.py", ["--fsdp"])])
+def test_the_planned_peak_is_a_real_runs_peak(script, strategy, tmp_path):
+    """The plan's peak on fake GPUs against the same tracker around the same two steps of a real run on CPU (one
+    process; --fsdp: two, gloo), in float32 with eager attention (SDPA picks other kernels on a GPU than on a CPU).
+
+    Bound: what the two place differently. The plan copies the step's micro-batch (input ids, attention mask,
+    labels: int64) to the GPU, where the CPU run's collator writes it in the traced memory too, so at most one
+    micro-batch's bytes; under --fsdp, FSDP2 on a GPU keeps a unit's all-gather buffer until the next unit
+    gathers, where the CPU run frees it at once (alpaca.strategy.drop_deferred_all_gather): the largest unit's
+    bytes, the embedding matrix."""
+    model = build_tiny_model(tmp_path / "tiny")
+    data = same_length_records(tmp_path / "data.json", 16)
+    flags = ["--model_name_or_path", str(model), "--data_path", str(data), "--layers", "1;2", "--dtype", "float32",
+             "--per_device_train_batch_size", "4", "--max_steps", "2", "--num_sample_answers", "0",
+             "--pad_to_multiple_of", "64", "--attn_implementation", "eager", *strategy]
+    launcher = (["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+                if strategy else [])
+    real = run_script([*launcher, "tests/traced_run.py", script, *flags, "--output_dir", str(tmp_path / "real")])
+    assert real.returncode == 0, real.stderr[-3000:]
+    [real_peak] = map(int, re.findall(r"traced peak of rank 0: (\d+) bytes", real.stdout))
+    plan = run_script([script, *flags, "--plan", f"{2 if strategy else 1}x1GB", "--output_dir", str(tmp_path / "p")])
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    planned_peak = int(re.search(r"headroom; (\d+) bytes", plan.stdout).group(1))
+    width = int(re.search(r"of 4 x (\d+) tokens", plan.stdout).group(1))
+    config = json.loads((model / "config.json").read_text())
+    bound = 3 * 4 * width * 8 + (config["vocab_size"] * config["hidden_size"] * 4 if strategy else 0)
+    assert abs(planned_peak - real_peak) <= bound, (planned_peak, real_peak, bound)
+
+
+# Defects of the kind NCCL refuses and gloo on CPU accepts, each planted in a copy of the code the plan runs.
+PLANTED = {
+    "the interventions' gradients averaged in host memory": (
+        "import torch; flatten = torch._utils._flatten_dense_tensors; "
+        "torch._utils._flatten_dense_tensors = lambda tensors: flatten(tensors).cpu()",
+        "alpaca/strategy.py", "average_gradients"),
+    "the replicas' checksums compared in host memory": (
+        "import inspect, alpaca.strategy as s; "
+        "exec(inspect.getsource(s.check_replicated).replace('.to(device)', '.cpu()'), vars(s))",
+        "<string>", "check_replicated"),
+}
+
+
+@pytest.mark.parametrize("defect", PLANTED)
+def test_a_collective_off_the_ranks_gpu_fails_the_plan_at_its_call_site(defect, tmp_path):
+    """Each planted defect makes the --fsdp plan at world size 8 fail with one line naming the collective's call
+    site and the device; without it the same plan passes (test_a_plan_that_does_not_fit_names_what_to_try)."""
+    plant, path, function = PLANTED[defect]
+    model = llama_config(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    runner = f"import runpy, sys; {plant}; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    result = run_script(["-c", runner, "train_multigpu.py", "--model_name_or_path", str(model), "--layers", "0;1",
+                         "--fsdp", "--plan", "8x80GB", "--model_max_length", "32",
+                         "--output_dir", str(tmp_path / "out")])
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert re.search(rf"a collective \(\w+\) at {path}:\d+ \({function}\) is given a tensor on cpu, where NCCL takes "
+                     r"only the rank's cuda:0", line), line
+
+
+def test_fsdp_offload_plans_the_shards_off_the_gpu(tmp_path):
+    """--fsdp offload keeps the shards in CPU memory: the GPU holds none of the base between its gathers, and its
+    peak is lower by at least the shard; without offload the shard is the parameters' bytes over the world."""
+    fields = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=4000, tie_word_embeddings=False)
+    model = llama_config(tmp_path / "model", **fields)
+    common = ["train_multigpu.py", "--model_name_or_path", str(model), "--layers", "1;2", "--model_max_length", "64",
+              "--plan", "2x80GB", "--output_dir", str(tmp_path / "out")]
+    sharded = planned(run_script([*common, "--fsdp"]))
+    offloaded = planned(run_script([*common, "--fsdp", "full_shard offload"]))
+    assert sharded["base model"] == pytest.approx(parameter_bytes(fields) / 2 / GiB, abs=0.0006)
+    assert offloaded["base model"] == 0
+    assert offloaded["peak GPU memory"] <= sharded["peak GPU memory"] - sharded["base model"] + 0.001
