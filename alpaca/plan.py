@@ -284,8 +284,8 @@ def plan_report(args: argparse.Namespace, strategy: Strategy, world_size: int, g
     else:
         lines.append("Verdict: does not fit. " + remedies(args, strategy, world_size, parts, gpu_bytes))
     lines.append(f"Planned in {seconds:.0f}s on fake GPUs: {PLANNED_STEPS} steps of the script's own step, whose "
-                 f"{collectives} collectives all took tensors on the rank's GPU, as NCCL needs; nothing was trained "
-                 "or written.")
+                 f"{collectives} collectives all took tensors on the rank's GPU, as NCCL needs; nothing was trained, "
+                 "--output_dir untouched.")
     return "\n".join(lines)
 
 
@@ -296,11 +296,11 @@ def remedies(args: argparse.Namespace, strategy: Strategy, world_size: int, part
     base_flags, activation_flags = [], []
     if not strategy.shards_base and world_size > 1:
         base_flags.append("--fsdp (the base sharded over the ranks)")
-    if strategy.shards_base and parts["base"]:
+    if strategy.shards_base and not strategy.offload:
         base_flags.append("--fsdp offload (the shards in CPU memory)")
     if not args.gradient_checkpointing:
         activation_flags.append("--gradient_checkpointing (a decoder layer's activations recomputed in the backward)")
-    if args.per_device_train_batch_size > 1:
+    if args.per_device_train_batch_size % 2 == 0:
         half = args.per_device_train_batch_size // 2
         activation_flags.append(f"--per_device_train_batch_size {half} --gradient_accumulation_steps "
                                 f"{args.gradient_accumulation_steps * 2} (the same global batch)")
