@@ -34,6 +34,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from alpaca import fake_cuda
+from alpaca.args import resolve_device_defaults
 from alpaca.collate import Collator, give_step_counts, step_counts
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers, parse_position
@@ -66,15 +67,16 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
         raise UsageError(f"--plan plans up to {fake_cuda.DEVICES} GPUs a node; got {gpus_per_node}")
     fake_cuda.answer_torch_cuda(gpu_bytes)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(gpus_per_node))
-    config = read_config(args)
+    path = resolve_model_path(args.model_name_or_path, args.cache_dir)  # the default: its converted directory
+    config = read_config(args, path)
     device = torch.device("cuda", 0)
-    args.pad_to_multiple_of = args.pad_to_multiple_of or 64  # resolve_device_defaults' GPU default
+    resolve_device_defaults(args, device.type)
     dtype = resolve_dtype(args.dtype, device)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         strategy = choose_strategy(args, device, dtype, [0], distributed=prog == "train_multigpu.py")
         check_planned(strategy)
-        micro_batches, collate, source = longest_micro_batches(args, config)
+        micro_batches, collate, source = longest_micro_batches(args, config, path)
         # train_multigpu.py's step also takes a placeholder for a rank's missing micro-batches, and the GPUs whose
         # random state it keeps: every micro-batch planned is real
         takes = inspect.signature(backward_step).parameters
@@ -137,11 +139,10 @@ def one_forward_at_a_time(tracker: MemTracker, top: torch.nn.Module) -> Iterator
         handle.remove()
 
 
-def read_config(args: argparse.Namespace):
+def read_config(args: argparse.Namespace, path: str):
     """Read the model's config.json (a directory's, or a hub name's from the cache), the only file a plan needs."""
     try:
-        return AutoConfig.from_pretrained(resolve_model_path(args.model_name_or_path, args.cache_dir),
-                                          cache_dir=args.cache_dir)
+        return AutoConfig.from_pretrained(path, cache_dir=args.cache_dir)
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0]
         raise UsageError(f"--plan builds the base from its config: cannot read the config of "
@@ -164,14 +165,13 @@ def check_planned(strategy: Strategy) -> None:
                          "train.py (DDP holds what one GPU holds, plus a copy of the interventions' gradients)")
 
 
-def longest_micro_batches(args: argparse.Namespace, config) -> tuple[list[dict], Collator, str]:
+def longest_micro_batches(args: argparse.Namespace, config, path: str) -> tuple[list[dict], Collator, str]:
     """Collate the step of the longest examples: the data's, tokenized as training does, where the model has a
     tokenizer; else --model_max_length tokens each, with the shortest prompt the positions allow (the most logits).
     Returns the micro-batches, the collator and where their tokens come from."""
     position = parse_position(args.position)
     num_layers = num_intervened_layers_of(args, config)
     count = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    path = resolve_model_path(args.model_name_or_path, args.cache_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, cache_dir=args.cache_dir)
     except (OSError, ValueError, TypeError):
