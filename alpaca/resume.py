@@ -114,6 +114,8 @@ def resume_learning_rate(scheduler, optimizer_state: dict, learning_rate: float)
 NOT_BOUND = (
     # where the run writes, whether it resumes or replaces, where caches are
     "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "cache_dir",
+    # a plan (--plan) runs two steps on fake GPUs and writes no checkpoint
+    "plan",
     # what is logged and saved, when and where
     "logging_steps", "report_to", "run_name", "wandb_project", "save_strategy", "save_steps", "save_total_limit",
     # evaluation and the sample answers: outside the training steps
