@@ -283,11 +283,8 @@ NUMBER_FLAGS: dict[str, tuple[Callable[[float], bool], str]] = {
 }
 
 
-def validate(args: argparse.Namespace, multigpu: bool = False) -> None:
+def validate(args: argparse.Namespace) -> None:
     """Run the checks that need no model, before anything heavy is imported or loaded."""
-    if args.plan is not None and not multigpu and args.plan[0] * args.plan[1] > 1:
-        raise UsageError("train.py trains on one process: plan it with --plan 1x<MEMORY>, or plan N GPUs with "
-                         "train_multigpu.py")
     check_torch(shards_4bit=bool(getattr(args, "fsdp", "")) and args.load_in_4bit)
     parse_position(args.position)
     parse_layers(args.layers)
@@ -443,7 +440,7 @@ def parse_args(prog: str, argv: list[str] | None = None, multigpu: bool = False)
     parser = build_parser(prog, multigpu=multigpu)
     args = parser.parse_args(argv)
     try:
-        validate(args, multigpu)
+        validate(args)
     except UsageError as error:
         exit_on_usage_error(prog, error)
     return args

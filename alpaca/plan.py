@@ -12,14 +12,16 @@ interventions, the optimizer and the collator are the script's; the micro-batche
 and its peak is the plan's. Every collective of the wrap and the steps, FSDP2's own included, is held to NCCL's
 rule (fake_cuda.NCCLDeviceRule): a tensor off the rank's GPU fails the plan with its call site.
 
-What is planned: train.py's one GPU and --fsdp (with --gradient_checkpointing and any --per_device_train_batch_size).
-DDP's reducer, DeepSpeed and bitsandbytes need real tensors: a plan of them is refused with one line.
+What is planned: train.py's one GPU, DDP and --fsdp (with --gradient_checkpointing and any
+--per_device_train_batch_size). DeepSpeed, bitsandbytes and accelerate's device map need real tensors: a plan of
+them is refused with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import os
 import time
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from alpaca import fake_cuda
@@ -49,7 +52,7 @@ from alpaca.model import (
 from alpaca.optim import build_optimizer
 from alpaca.output import LogWindow
 from alpaca.step_schedule import StepSchedule
-from alpaca.strategy import FSDP, Strategy, ZeRO, choose_strategy, local_parameter_bytes
+from alpaca.strategy import DDP, FSDP, Strategy, ZeRO, choose_strategy, local_parameter_bytes
 
 PLANNED_STEPS = 2  # the second has the optimizer state the first created: the peak of every later step
 GiB = 2**30
@@ -57,12 +60,15 @@ GiB = 2**30
 
 def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
     """Plan the command of `args` (see the module's docstring) and print the plan; `backward_step` is the script's."""
+    nodes, gpus_per_node, gpu_bytes = args.plan
+    world_size = nodes * gpus_per_node
+    if prog == "train.py" and world_size > 1:
+        raise UsageError("train.py trains on one process: plan it with --plan 1x<MEMORY>, or plan N GPUs with "
+                         "train_multigpu.py")
     fake_cuda.run_with_fake_cuda(args.cache_dir)  # may start this command again, with fake CUDA devices
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     started = time.perf_counter()
-    nodes, gpus_per_node, gpu_bytes = args.plan
-    world_size = nodes * gpus_per_node
     if gpus_per_node > fake_cuda.DEVICES:
         raise UsageError(f"--plan plans up to {fake_cuda.DEVICES} GPUs a node; got {gpus_per_node}")
     fake_cuda.answer_torch_cuda(gpu_bytes)
@@ -81,7 +87,8 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
         # random state it keeps: every micro-batch planned is real
         takes = inspect.signature(backward_step).parameters
         rank_options = {"placeholder": micro_batches[0], "gpus": []} if "placeholder" in takes else {}
-        with fake_cuda.fake_tensor_mode(), fake_cuda.gpu_attention_kernels(), weights_not_read():
+        with (fake_cuda.fake_tensor_mode(), fake_cuda.gpu_attention_kernels(), weights_not_read(),
+              mock.patch("alpaca.strategy.DistributedDataParallel", ddp_on_the_fake_group)):
             reft_model, optimizer, scheduler = build_planned_model(args, strategy, config, dtype, collate)
             with fake_cuda.HostReads(), fake_cuda.NCCLDeviceRule(device) as rule:
                 train_model = strategy.wrap(reft_model, optimizer, scheduler, None)
@@ -97,7 +104,9 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
         # by category name: the tracker's keys are str enums, which hash by their member's name
         snapshot = tracker.get_tracker_snapshot("peak")[device]
         peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
-        parts = memory_parts(peak, reft_model, optimizer)
+        # DDP's buckets: a copy of every gradient it reduces, allocated by its reducer as it is built
+        buckets = sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
+        parts = memory_parts(peak, reft_model, optimizer, buckets)
     finally:
         dist.destroy_process_group()
     print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
@@ -111,6 +120,29 @@ class FrozenBaseMemTracker(MemTracker):
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True) -> tuple[int, int]:
         return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+
+@functools.wraps(DistributedDataParallel, assigned=(), updated=())  # its signature, which the strategy reads
+def ddp_on_the_fake_group(module: torch.nn.Module, **options) -> DistributedDataParallel:
+    """torch's DDP, where its C++ parts would read a fake tensor's data or the fake group's results: the check that
+    every rank's parameters have the same shapes (a plan has one rank), the order its buckets are rebuilt in after
+    the first step (the same bytes in another order), and its runtime statistics (timed with CUDA events, which the
+    CPU build has no timer of). Its gradient all-reduce runs as a comm hook doing what its own does: the fake
+    group's futures hold no tensor for the reducer to read back."""
+    with mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes"):
+        ddp = DistributedDataParallel(module, **options)
+    ddp.register_comm_hook(None, averaged_on_the_fake_group)
+    ddp.reducer = mock.Mock(wraps=ddp.reducer, _rebuild_buckets=lambda: False)
+    ddp.logger = mock.Mock()
+    return ddp
+
+
+def averaged_on_the_fake_group(state, bucket):  # no annotation: DDP checks it, and this module makes it a string
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer)
+    averaged = torch.futures.Future()
+    averaged.set_result(buffer.div_(dist.get_world_size()))
+    return averaged
 
 
 def memory_tracker(strategy: Strategy, reft_model, optimizer) -> MemTracker:
@@ -160,9 +192,6 @@ def check_planned(strategy: Strategy) -> None:
     if strategy.device_map is not None:
         raise UsageError("--plan does not plan --device_map: accelerate places real weights; plan --fsdp "
                          "(docs/big-models.md#will-it-fit)")
-    if type(strategy) is not Strategy and not isinstance(strategy, FSDP):
-        raise UsageError("--plan does not plan DDP: its reducer copies real gradients; plan --fsdp, or one GPU with "
-                         "train.py (DDP holds what one GPU holds, plus a copy of the interventions' gradients)")
 
 
 def longest_micro_batches(args: argparse.Namespace, config, path: str) -> tuple[list[dict], Collator, str]:
@@ -243,10 +272,11 @@ def build_planned_model(args: argparse.Namespace, strategy: Strategy, config, dt
     return reft_model, optimizer, scheduler
 
 
-def memory_parts(peak: dict[str, int], reft_model, optimizer) -> dict[str, int]:
-    """Split the device's peak: the base parameters this rank holds, the interventions with their gradients and
-    optimizer state (counted exactly), the communication buffers (FSDP2's gathered units and their all-gather and
-    reduce-scatter buffers), and the rest, activations and temporaries of the longest step."""
+def memory_parts(peak: dict[str, int], reft_model, optimizer, buckets: int) -> dict[str, int]:
+    """Split the device's peak, with `buckets` bytes held before it was traced added: the base parameters this rank
+    holds, the interventions with their gradients and optimizer state (counted exactly), the communication buffers
+    (DDP's buckets; FSDP2's gathered units and their all-gather and reduce-scatter buffers), and the rest,
+    activations and temporaries of the longest step."""
     parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
     interventions = sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for p in parameters) + sum(
         value.nbytes for state in optimizer.state.values() for value in state.values()
@@ -255,9 +285,9 @@ def memory_parts(peak: dict[str, int], reft_model, optimizer) -> dict[str, int]:
         buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
     if any(p.device.type == "cpu" for p in reft_model.model.parameters()):  # --fsdp offload: shards in CPU memory
         base = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
-    communication = sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather",
-                                                       "Reduce Scatter"))
-    total = peak["Total"]
+    communication = buckets + sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather",
+                                                                 "Reduce Scatter"))
+    total = peak["Total"] + buckets
     return {"base": base, "interventions": interventions, "communication": communication,
             "activations": max(total - base - interventions - communication, 0), "total": total}
 

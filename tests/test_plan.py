@@ -73,7 +73,8 @@ def test_a_plan_that_does_not_fit_names_what_to_try(tmp_path):
 
 
 def test_train_py_plans_one_gpu_and_its_peak_grows_with_the_batch(tmp_path):
-    """train.py's plan on one GPU: twice the micro-batch, more activations, the same base."""
+    """train.py's plan on one GPU: twice the micro-batch, more activations, the same base; a plan of more GPUs is
+    refused with one line."""
     model = llama_config(tmp_path / "config-only", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
     common = ["train.py", "--model_name_or_path", str(model), "--layers", "1;2", "--model_max_length", "128",
@@ -81,6 +82,10 @@ def test_train_py_plans_one_gpu_and_its_peak_grows_with_the_batch(tmp_path):
     one, two = (planned(run_script([*common, "--per_device_train_batch_size", size])) for size in ("4", "8"))
     assert one["base model"] == two["base model"] > 0
     assert two["activations"] > 1.5 * one["activations"]
+    several = run_script([*common, "--plan", "2x80GB"])
+    assert several.returncode == 2 and several.stderr.strip().splitlines() == [
+        "train.py: error: train.py trains on one process: plan it with --plan 1x<MEMORY>, or plan N GPUs with "
+        "train_multigpu.py"], several.stderr[-2000:]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -88,7 +93,7 @@ def test_train_py_plans_one_gpu_and_its_peak_grows_with_the_batch(tmp_path):
     (["--plan", "0x80GB"], "at least 1 node and 1 GPU"),
     (["--plan", "8x80GB", "--model_name_or_path", "MISSING"], "cannot read the config"),
     (["--plan", "8x80GB", "--model_name_or_path", "EMPTY"], "cannot read the config"),
-    (["--plan", "8x80GB"], "does not plan DDP"),
+    (["--plan", "8x80GB", "--device_map", "auto"], "does not plan --device_map"),
     (["--plan", "8x80GB", "--load_in_4bit", "--fsdp"], "does not plan --load_in_4bit"),
 ])
 def test_bad_plans_end_with_one_line(flags, message, tmp_path):
@@ -117,32 +122,40 @@ def same_length_records(path, count: int):
     return path
 
 
-@pytest.mark.parametrize("script, strategy", [("train.py", []), ("train_multigpu.py", ["--fsdp"])])
+@pytest.mark.parametrize("script, strategy", [("train.py", []), ("train_multigpu.py", []),
+                                              ("train_multigpu.py", ["--fsdp"])])
 def test_the_planned_peak_is_a_real_runs_peak(script, strategy, tmp_path):
     """The plan's peak on fake GPUs against the same tracker around the same two steps of a real run on CPU (one
-    process; --fsdp: two, gloo), in float32 with eager attention (SDPA picks other kernels on a GPU than on a CPU).
+    process; DDP and --fsdp: two, gloo), in float32 with eager attention (SDPA picks other kernels on a GPU than on
+    a CPU).
 
     Bound: what the two place differently. The plan copies the step's micro-batch (input ids, attention mask,
     labels: int64) to the GPU, where the CPU run's collator writes it in the traced memory too, so at most one
     micro-batch's bytes; under --fsdp, FSDP2 on a GPU keeps a unit's all-gather buffer until the next unit
     gathers, where the CPU run frees it at once (alpaca.strategy.drop_deferred_all_gather): the largest unit's
-    bytes, the embedding matrix."""
+    bytes, the embedding matrix; under DDP, its buckets, which the plan adds to what it traced and the tracker of
+    the real run does not see (allocated as DDP is built): a copy of the 2 LoReFT interventions of rank 4, each a
+    rotation and a projection (hidden x 4 each) and a bias of 4, in float32."""
     model = build_tiny_model(tmp_path / "tiny")
     data = same_length_records(tmp_path / "data.json", 16)
     flags = ["--model_name_or_path", str(model), "--data_path", str(data), "--layers", "1;2", "--dtype", "float32",
              "--per_device_train_batch_size", "4", "--max_steps", "2", "--num_sample_answers", "0",
              "--pad_to_multiple_of", "64", "--attn_implementation", "eager", *strategy]
+    distributed = script == "train_multigpu.py"
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-                if strategy else [])
+                if distributed else [])
     real = run_script([*launcher, "tests/traced_run.py", script, *flags, "--output_dir", str(tmp_path / "real")])
     assert real.returncode == 0, real.stderr[-3000:]
     [real_peak] = map(int, re.findall(r"traced peak of rank 0: (\d+) bytes", real.stdout))
-    plan = run_script([script, *flags, "--plan", f"{2 if strategy else 1}x1GB", "--output_dir", str(tmp_path / "p")])
+    plan = run_script([script, *flags, "--plan", f"{2 if distributed else 1}x1GB", "--output_dir", str(tmp_path / "p")])
     assert plan.returncode == 0, plan.stderr[-3000:]
     planned_peak = int(re.search(r"headroom; (\d+) bytes", plan.stdout).group(1))
     width = int(re.search(r"of 4 x (\d+) tokens", plan.stdout).group(1))
     config = json.loads((model / "config.json").read_text())
-    bound = 3 * 4 * width * 8 + (config["vocab_size"] * config["hidden_size"] * 4 if strategy else 0)
+    hidden = config["hidden_size"]
+    bound = 3 * 4 * width * 8 + (config["vocab_size"] * hidden * 4 if strategy else 0)
+    if distributed and not strategy:
+        bound += 2 * (2 * hidden * 4 + 4) * 4
     assert abs(planned_peak - real_peak) <= bound, (planned_peak, real_peak, bound)
 
 
@@ -159,16 +172,18 @@ PLANTED = {
 }
 
 
-@pytest.mark.parametrize("defect", PLANTED)
-def test_a_collective_off_the_ranks_gpu_fails_the_plan_at_its_call_site(defect, tmp_path):
-    """Each planted defect makes the --fsdp plan at world size 8 fail with one line naming the collective's call
-    site and the device; without it the same plan passes (test_a_plan_that_does_not_fit_names_what_to_try)."""
+@pytest.mark.parametrize("defect, strategy", [(defect, ["--fsdp"]) for defect in PLANTED] + [
+    ("the replicas' checksums compared in host memory", [])])
+def test_a_collective_off_the_ranks_gpu_fails_the_plan_at_its_call_site(defect, strategy, tmp_path):
+    """Each planted defect makes the --fsdp plan (and DDP's, for the code DDP runs) at world size 8 fail with one
+    line naming the collective's call site and the device; without it the same plans pass
+    (test_a_plan_that_does_not_fit_names_what_to_try, test_the_planned_peak_is_a_real_runs_peak)."""
     plant, path, function = PLANTED[defect]
     model = llama_config(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
     runner = f"import runpy, sys; {plant}; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     result = run_script(["-c", runner, "train_multigpu.py", "--model_name_or_path", str(model), "--layers", "0;1",
-                         "--fsdp", "--plan", "8x80GB", "--model_max_length", "32",
+                         *strategy, "--plan", "8x80GB", "--model_max_length", "32",
                          "--output_dir", str(tmp_path / "out")])
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
