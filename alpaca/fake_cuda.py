@@ -26,10 +26,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from alpaca.errors import PlannedFailure, UsageError
-from alpaca.manifest import cache_root
+from alpaca.manifest import cache_root, sha256
 
 PRELOADED = "REFT_ALPACA_FAKE_CUDA"  # set in the command started again with the library loaded
 SOURCE = Path(__file__).with_name("fake_cuda.cpp")
+LIBRARY = "libfakecuda.so"
 DEVICES = 8  # fake_cuda.cpp's device count: a node's GPUs
 
 
@@ -38,19 +39,22 @@ def run_with_fake_cuda(cache_dir: str | None) -> None:
     preloaded); otherwise build the library and start the command again."""
     if torch.backends.cuda.is_built():
         return
+    preloaded = os.environ.get("LD_PRELOAD", "").split()
     if os.environ.get(PRELOADED) == "1":
-        os.environ.pop("LD_PRELOAD", None)  # loaded already; the processes it starts (a compiler, ninja) need none
+        # loaded already; the processes it starts (a compiler, ninja) get only what the user preloaded
+        os.environ["LD_PRELOAD"] = " ".join(entry for entry in preloaded if Path(entry).name != LIBRARY)
         return
     library = build_library(cache_dir)
-    environment = {**os.environ, PRELOADED: "1", "LD_PRELOAD": str(library)}
+    environment = {**os.environ, PRELOADED: "1", "LD_PRELOAD": " ".join([str(library), *preloaded])}
     sys.stdout.flush()
     os.execve(sys.executable, sys.orig_argv, environment)
 
 
 def build_library(cache_dir: str | None) -> Path:
-    """Compile fake_cuda.cpp against this torch once, into the cache (about 3 s)."""
-    directory = cache_root(cache_dir) / f"fake-cuda-torch-{torch.__version__}"
-    library = directory / "libfakecuda.so"
+    """Compile fake_cuda.cpp against this torch once, into the cache (about 3 s): a directory of this torch and this
+    source."""
+    directory = cache_root(cache_dir) / f"fake-cuda-torch-{torch.__version__}-{sha256(SOURCE)[:12]}"
+    library = directory / LIBRARY
     if library.exists():
         return library
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")

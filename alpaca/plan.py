@@ -81,7 +81,7 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         strategy = choose_strategy(args, device, dtype, [0], distributed=prog == "train_multigpu.py")
-        check_planned(strategy)
+        check_planned(args, strategy)
         micro_batches, collate, source = longest_micro_batches(args, config, path)
         # train_multigpu.py's step also takes a placeholder for a rank's missing micro-batches, and the GPUs whose
         # random state it keeps: every micro-batch planned is real
@@ -104,9 +104,12 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
         # by category name: the tracker's keys are str enums, which hash by their member's name
         snapshot = tracker.get_tracker_snapshot("peak")[device]
         peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
-        # DDP's buckets: a copy of every gradient it reduces, allocated by its reducer as it is built
+        # on the GPU, but not traced: DDP's buckets, a copy of every gradient it reduces, allocated as it is built;
+        # under --fsdp the interventions' parameters (FSDP2's tracker follows the base and the optimizer)
         buckets = sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
-        parts = memory_parts(peak, reft_model, optimizer, buckets)
+        untraced = (sum(p.nbytes for _, p in intervention_parameters(reft_model)) if isinstance(strategy, FSDP)
+                    else 0)
+        parts = memory_parts(peak, reft_model, optimizer, buckets, untraced)
     finally:
         dist.destroy_process_group()
     print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
@@ -181,8 +184,11 @@ def read_config(args: argparse.Namespace, path: str):
                          f"--model_name_or_path {args.model_name_or_path!r}: {reason}") from None
 
 
-def check_planned(strategy: Strategy) -> None:
-    """Refuse what cannot run on fake tensors, with the reason."""
+def check_planned(args: argparse.Namespace, strategy: Strategy) -> None:
+    """Refuse what cannot run on fake tensors, and what the plan's step is not, with the reason."""
+    for flag, step in (("packing", "the longest padded micro-batches"), ("torch_compile", "the eager step")):
+        if getattr(args, flag):
+            raise UsageError(f"--plan does not plan --{flag}: it runs {step}; plan without --{flag}")
     if isinstance(strategy, ZeRO):
         raise UsageError("--plan does not plan --deepspeed: DeepSpeed's engine needs real tensors; plan --fsdp, "
                          "which shards the base as ZeRO-3 does (docs/big-models.md#will-it-fit)")
@@ -272,13 +278,14 @@ def build_planned_model(args: argparse.Namespace, strategy: Strategy, config, dt
     return reft_model, optimizer, scheduler
 
 
-def memory_parts(peak: dict[str, int], reft_model, optimizer, buckets: int) -> dict[str, int]:
-    """Split the device's peak, with `buckets` bytes held before it was traced added: the base parameters this rank
+def memory_parts(peak: dict[str, int], reft_model, optimizer, buckets: int, untraced: int) -> dict[str, int]:
+    """Split the device's peak, with the `buckets` and other `untraced` bytes added: the base parameters this rank
     holds, the interventions with their gradients and optimizer state (counted exactly), the communication buffers
     (DDP's buckets; FSDP2's gathered units and their all-gather and reduce-scatter buffers), and the rest,
     activations and temporaries of the longest step."""
     parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
-    interventions = sum(p.nbytes + (p.grad.nbytes if p.grad is not None else 0) for p in parameters) + sum(
+    # a gradient of each parameter's bytes: the step's zero_grad has dropped them by now
+    interventions = sum(2 * p.nbytes for p in parameters) + sum(
         value.nbytes for state in optimizer.state.values() for value in state.values()
         if isinstance(value, torch.Tensor) and value.device.type == "cuda")
     base = local_parameter_bytes(reft_model.model) + sum(
@@ -287,7 +294,7 @@ def memory_parts(peak: dict[str, int], reft_model, optimizer, buckets: int) -> d
         base = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
     communication = buckets + sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather",
                                                                  "Reduce Scatter"))
-    total = peak["Total"] + buckets
+    total = peak["Total"] + buckets + untraced
     return {"base": base, "interventions": interventions, "communication": communication,
             "activations": max(total - base - interventions - communication, 0), "total": total}
 

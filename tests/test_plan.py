@@ -95,10 +95,12 @@ def test_train_py_plans_one_gpu_and_its_peak_grows_with_the_batch(tmp_path):
     (["--plan", "8x80GB", "--model_name_or_path", "EMPTY"], "cannot read the config"),
     (["--plan", "8x80GB", "--device_map", "auto"], "does not plan --device_map"),
     (["--plan", "8x80GB", "--load_in_4bit", "--fsdp"], "does not plan --load_in_4bit"),
+    (["--plan", "8x80GB", "--packing"], "does not plan --packing"),
+    (["--plan", "8x80GB", "--torch_compile"], "does not plan --torch_compile"),
 ])
 def test_bad_plans_end_with_one_line(flags, message, tmp_path):
-    """An unparsable GPU memory, an empty world, a model without a readable config, and what a plan cannot run:
-    one line, exit 2, nothing written."""
+    """An unparsable GPU memory, an empty world, a model without a readable config, and what a plan cannot run or
+    does not run (packs, a compiled step): one line, exit 2, nothing written."""
     (tmp_path / "empty").mkdir()
     model = llama_config(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
@@ -133,9 +135,10 @@ def test_the_planned_peak_is_a_real_runs_peak(script, strategy, tmp_path):
     labels: int64) to the GPU, where the CPU run's collator writes it in the traced memory too, so at most one
     micro-batch's bytes; under --fsdp, FSDP2 on a GPU keeps a unit's all-gather buffer until the next unit
     gathers, where the CPU run frees it at once (alpaca.strategy.drop_deferred_all_gather): the largest unit's
-    bytes, the embedding matrix; under DDP, its buckets, which the plan adds to what it traced and the tracker of
-    the real run does not see (allocated as DDP is built): a copy of the 2 LoReFT interventions of rank 4, each a
-    rotation and a projection (hidden x 4 each) and a bias of 4, in float32."""
+    bytes, the embedding matrix; what the plan adds to what it traced and the tracker of the real run does not see:
+    under DDP its buckets (allocated as DDP is built), under --fsdp the interventions (outside FSDP2's tracker),
+    both the bytes of the 2 LoReFT interventions of rank 4, each a rotation and a projection (hidden x 4 each) and
+    a bias of 4, in float32."""
     model = build_tiny_model(tmp_path / "tiny")
     data = same_length_records(tmp_path / "data.json", 16)
     flags = ["--model_name_or_path", str(model), "--data_path", str(data), "--layers", "1;2", "--dtype", "float32",
@@ -154,7 +157,7 @@ def test_the_planned_peak_is_a_real_runs_peak(script, strategy, tmp_path):
     config = json.loads((model / "config.json").read_text())
     hidden = config["hidden_size"]
     bound = 3 * 4 * width * 8 + (config["vocab_size"] * hidden * 4 if strategy else 0)
-    if distributed and not strategy:
+    if distributed:
         bound += 2 * (2 * hidden * 4 + 4) * 4
     assert abs(planned_peak - real_peak) <= bound, (planned_peak, real_peak, bound)
 
@@ -205,3 +208,28 @@ def test_fsdp_offload_plans_the_shards_off_the_gpu(tmp_path):
     assert sharded["base model"] == pytest.approx(parameter_bytes(fields) / 2 / GiB, abs=0.0006)
     assert offloaded["base model"] == 0
     assert offloaded["peak GPU memory"] <= sharded["peak GPU memory"] - sharded["base model"] + 0.001
+
+
+def test_the_fake_cuda_library_is_built_once_for_each_source(tmp_path, monkeypatch):
+    """The compiled library is cached by torch's version and its source: a changed fake_cuda.cpp is built again,
+    an unchanged one is not."""
+    from alpaca import fake_cuda
+
+    first = fake_cuda.build_library(str(tmp_path))
+    changed = tmp_path / "fake_cuda.cpp"
+    changed.write_text(fake_cuda.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(fake_cuda, "SOURCE", changed)
+    second = fake_cuda.build_library(str(tmp_path))
+    built = second.stat().st_mtime_ns
+    assert second != first and first.exists()
+    assert fake_cuda.build_library(str(tmp_path)) == second and second.stat().st_mtime_ns == built
+
+
+def test_the_users_preloaded_libraries_stay_preloaded(tmp_path):
+    """The plan starts itself again with its library preloaded before the user's; then the processes it starts get
+    the user's LD_PRELOAD back, without its own."""
+    program = ("import os, sys; sys.path.insert(0, '.'); from alpaca import fake_cuda; "
+               f"fake_cuda.run_with_fake_cuda({str(tmp_path)!r}); print('preloaded:', os.environ['LD_PRELOAD'])")
+    result = run_script(["-c", program], env={"LD_PRELOAD": "libm.so.6"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "preloaded: libm.so.6"
