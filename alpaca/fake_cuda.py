@@ -149,33 +149,29 @@ class HostReads(TorchDispatchMode):
 
 @contextlib.contextmanager
 def gpu_attention_kernels() -> Iterator[None]:
-    """Run SDPA on fake CUDA tensors with the kernels a GPU picks: flash attention in half precision without a mask,
-    else memory-efficient attention. A CPU build has no CUDA kernel to choose among and falls back to the math
-    path, which holds every head's full attention matrix (in float32): far more memory than any GPU spends.
-    Replaced as a function, not by a TorchFunctionMode: a recomputed layer (--gradient_checkpointing) runs on the
-    autograd engine's device thread, which does not see the modes of this one."""
+    """Run SDPA on fake CUDA tensors with the kernels a GPU picks: flash attention in half precision without a mask
+    (grouped key and value heads taken as they are), else memory-efficient attention, which takes no grouped heads:
+    with them a GPU runs the math path, as the CPU build does for every CUDA tensor, holding every head's full
+    attention matrix (in float32). Replaced as a function, not by a TorchFunctionMode: a recomputed layer
+    (--gradient_checkpointing) runs on the autograd engine's device thread, which does not see the modes of this
+    one."""
     sdpa = F.scaled_dot_product_attention
 
-    def attention(query, *args, **kwargs):
-        return (gpu_attention if query.is_cuda else sdpa)(query, *args, **kwargs)
+    def attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        if query.is_cuda and attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                      scale=scale)[0]
+        if query.is_cuda and key.shape[-3] == query.shape[-3]:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)[0]
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
     F.scaled_dot_product_attention = attention
     try:
         yield
     finally:
         F.scaled_dot_product_attention = sdpa
-
-
-def gpu_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    if key.shape[-3] != query.shape[-3]:  # grouped-query attention: each key and value head serves several
-        repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
-    if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
-        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
-                                                                  scale=scale)[0]
-    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, query.requires_grad,
-                                                                  dropout_p, is_causal, scale=scale)[0]
 
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")

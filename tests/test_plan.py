@@ -233,3 +233,23 @@ def test_the_users_preloaded_libraries_stay_preloaded(tmp_path):
     result = run_script(["-c", program], env={"LD_PRELOAD": "libm.so.6"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "preloaded: libm.so.6"
+
+
+def test_grouped_key_value_heads_are_planned_with_the_kernels_a_gpu_runs(tmp_path):
+    """One key/value head for 4 query heads against 4 of each, one GPU, 8 x 512 tokens: in bfloat16 flash attention
+    takes the grouped heads as they are (less memory than 4 key/value heads, where repeating them would hold more);
+    in float32 the memory-efficient kernel takes no grouped heads and a GPU runs the math path, which holds the
+    attention probabilities of the layer the backward runs through (8 x 4 x 512 x 512 in float32; the other layer
+    is below every intervention): more than half that matrix above the 4-head plan, which the efficient kernel
+    serves with none."""
+    peaks = {}
+    for heads in (1, 4):
+        model = llama_config(tmp_path / f"kv{heads}", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=heads, vocab_size=1000)
+        for dtype in ("bfloat16", "float32"):
+            result = run_script(["train.py", "--model_name_or_path", str(model), "--layers", "0;1", "--dtype", dtype,
+                                 "--model_max_length", "512", "--plan", "1x80GB", "--output_dir", str(tmp_path / "o")])
+            assert result.returncode == 0, result.stderr[-3000:]
+            peaks[heads, dtype] = int(re.search(r"headroom; (\d+) bytes", result.stdout).group(1))
+    assert peaks[1, "bfloat16"] < peaks[4, "bfloat16"], peaks
+    assert peaks[1, "float32"] - peaks[4, "float32"] > 8 * 4 * 512 * 512 * 4 / 2, peaks
