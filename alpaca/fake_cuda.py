@@ -113,12 +113,13 @@ def answer_torch_cuda(gpu_bytes: int) -> None:
     _RECORD_STREAM.impl("record_stream", lambda tensor, stream: None, "Meta")
 
 
-def fake_tensor_mode() -> FakeTensorMode:
-    """Return a FakeTensorMode in which modules can move their fake parameters (`module.to`, `to_empty`).
+@contextlib.contextmanager
+def fake_tensor_mode() -> Iterator[FakeTensorMode]:
+    """Enter a FakeTensorMode in which modules can move their fake parameters (`module.to`, `to_empty`).
 
     torch swaps a fake parameter with its moved copy (torch.utils.swap_tensors), which refuses a tensor that is
-    weakly referenced, and the mode's memo of the tensors it made holds such a reference to each: the tensors
-    are forgotten by the memo just before they are swapped."""
+    weakly referenced, and the mode's memo of the tensors it made holds such a reference to each: while the mode
+    is on, the tensors are forgotten by the memo just before they are swapped."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swap_tensors = torch.utils.swap_tensors
 
@@ -130,7 +131,11 @@ def fake_tensor_mode() -> FakeTensorMode:
         swap_tensors(first, second)
 
     torch.utils.swap_tensors = forget_and_swap
-    return mode
+    try:
+        with mode:
+            yield mode
+    finally:
+        torch.utils.swap_tensors = swap_tensors
 
 
 class HostReads(TorchDispatchMode):
