@@ -13,8 +13,10 @@ and its peak is the plan's. Every collective of the wrap and the steps, FSDP2's 
 rule (fake_cuda.NCCLDeviceRule): a tensor off the rank's GPU fails the plan with its call site.
 
 What is planned: train.py's one GPU, DDP and --fsdp (with --gradient_checkpointing and any
---per_device_train_batch_size). DeepSpeed, bitsandbytes and accelerate's device map need real tensors: a plan of
-them is refused with one line.
+--per_device_train_batch_size), and a 4-bit base (bitsandbytes' layers, quantized on the fake GPU by its own
+functions, `quantized_base`) on one GPU or under DDP. DeepSpeed and accelerate's device map need real tensors,
+FSDP2's gathered 4-bit weight a real one, and LLM.int8's outlier columns (--load_in_8bit) the activations' values:
+a plan of them is refused with one line.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from unittest import mock
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from alpaca import fake_cuda
 from alpaca.args import resolve_device_defaults
@@ -45,6 +48,7 @@ from alpaca.model import (
     build_reft_model,
     enable_gradient_checkpointing,
     intervention_parameters,
+    quantization_config,
     resolve_dtype,
     resolve_model_path,
     set_attention,
@@ -52,7 +56,15 @@ from alpaca.model import (
 from alpaca.optim import build_optimizer
 from alpaca.output import LogWindow
 from alpaca.step_schedule import StepSchedule
-from alpaca.strategy import DDP, FSDP, Strategy, ZeRO, choose_strategy, local_parameter_bytes
+from alpaca.strategy import (
+    DDP,
+    FSDP,
+    Strategy,
+    ZeRO,
+    choose_strategy,
+    local_parameter_bytes,
+    quantization_constant_bytes,
+)
 
 PLANNED_STEPS = 2  # the second has the optimizer state the first created: the peak of every later step
 GiB = 2**30
@@ -88,6 +100,7 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
         takes = inspect.signature(backward_step).parameters
         rank_options = {"placeholder": micro_batches[0], "gpus": []} if "placeholder" in takes else {}
         with (fake_cuda.fake_tensor_mode(), fake_cuda.gpu_attention_kernels(), weights_not_read(),
+              quant_states_given_back(strategy),
               mock.patch("alpaca.strategy.DistributedDataParallel", ddp_on_the_fake_group)):
             reft_model, optimizer, scheduler = build_planned_model(args, strategy, config, dtype, collate)
             with fake_cuda.HostReads(), fake_cuda.NCCLDeviceRule(device) as rule:
@@ -101,15 +114,12 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
                         backward_step(strategy, train_model, micro_batches, counts[0], window, device,
                                       **rank_options)
                         strategy.step(step + 1)
-        # by category name: the tracker's keys are str enums, which hash by their member's name
-        snapshot = tracker.get_tracker_snapshot("peak")[device]
-        peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
-        # on the GPU, but not traced: DDP's buckets, a copy of every gradient it reduces, allocated as it is built;
-        # under --fsdp the interventions' parameters (FSDP2's tracker follows the base and the optimizer)
-        buckets = sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
-        untraced = (sum(p.nbytes for _, p in intervention_parameters(reft_model)) if isinstance(strategy, FSDP)
-                    else 0)
-        parts = memory_parts(peak, reft_model, optimizer, buckets, untraced)
+                # by category name: the tracker's keys are str enums, which hash by their member's name
+                snapshot = tracker.get_tracker_snapshot("peak")[device]
+                peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
+                buckets = sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
+                # here, where host reads are answered: a 4-bit QuantState reads its values as it lists them
+                parts = memory_parts(peak, reft_model, optimizer, buckets, untraced_bytes(strategy, reft_model))
     finally:
         dist.destroy_process_group()
     print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
@@ -192,9 +202,14 @@ def check_planned(args: argparse.Namespace, strategy: Strategy) -> None:
     if isinstance(strategy, ZeRO):
         raise UsageError("--plan does not plan --deepspeed: DeepSpeed's engine needs real tensors; plan --fsdp, "
                          "which shards the base as ZeRO-3 does (docs/big-models.md#will-it-fit)")
-    if strategy.quantization is not None:
-        raise UsageError("--plan does not plan --load_in_4bit/--load_in_8bit: bitsandbytes quantizes real weights; "
-                         "plan the base in --dtype (docs/big-models.md#will-it-fit)")
+    if args.load_in_8bit:
+        raise UsageError("--plan does not plan --load_in_8bit: which of LLM.int8's columns are outliers, kept in 16 "
+                         "bits, depends on the activations' values, which a plan has none of; plan --load_in_4bit "
+                         "(docs/big-models.md#will-it-fit)")
+    if strategy.quantization is not None and strategy.shards_base:
+        raise UsageError("--plan does not plan --fsdp --load_in_4bit: FSDP2's gathered 4-bit weight is wrapped in "
+                         "bitsandbytes' parameter class, which a fake tensor cannot be; plan --load_in_4bit, or "
+                         "--fsdp (docs/big-models.md#will-it-fit)")
     if strategy.device_map is not None:
         raise UsageError("--plan does not plan --device_map: accelerate places real weights; plan --fsdp "
                          "(docs/big-models.md#will-it-fit)")
@@ -258,8 +273,11 @@ def build_planned_model(args: argparse.Namespace, strategy: Strategy, config, dt
                         collate: Collator):
     """Build the base from its config (on the meta device where the strategy shards it, else on its device), and
     the interventions, the optimizer and the schedule as load_data_and_model and train do."""
-    with torch.device("meta" if strategy.shards_base else strategy.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if strategy.quantization is not None:
+        model = quantized_base(config, quantization_config(strategy.quantization, dtype), dtype, strategy.device)
+    else:
+        with torch.device("meta" if strategy.shards_base else strategy.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     model.requires_grad_(False)
     model.eval()
@@ -278,11 +296,67 @@ def build_planned_model(args: argparse.Namespace, strategy: Strategy, config, dt
     return reft_model, optimizer, scheduler
 
 
+def quantized_base(config, quantization: BitsAndBytesConfig, dtype: torch.dtype, device: torch.device):
+    """Build the base as `from_pretrained(quantization_config=quantization)` does, on the fake device: transformers'
+    bitsandbytes quantizer replaces its linear layers (on the meta device, outside the fake mode: bitsandbytes'
+    parameter classes wrap a tensor's data, which a fake tensor cannot lend), every tensor is then allocated on the
+    device, and each 4-bit weight is quantized there by bitsandbytes' own function, kept as a plain parameter (its
+    quant_state on the module, `quant_states_given_back`)."""
+    import bitsandbytes as bnb
+    from transformers.quantizers import AutoHfQuantizer
+
+    with unset_fake_temporarily():
+        # double quantization's table, built by reading values back (none in a fake tensor): on the host, into
+        # bitsandbytes' cache of it
+        bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            AutoHfQuantizer.from_config(quantization, pre_quantized=False).preprocess_model(model, device_map=None)
+    quantized = {module: module.weight for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)}
+    for module, weight in quantized.items():
+        module.weight = torch.nn.Parameter(torch.empty(weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+    model.to_empty(device=device)
+    for module, weight in quantized.items():
+        packed, module.quant_state = bnb.functional.quantize_4bit(
+            module.weight, blocksize=weight.blocksize, compress_statistics=weight.compress_statistics,
+            quant_type=weight.quant_type, quant_storage=module.quant_storage)
+        module.weight = torch.nn.Parameter(packed, requires_grad=False)
+    return model
+
+
+@contextlib.contextmanager
+def quant_states_given_back(strategy: Strategy) -> Iterator[None]:
+    """Under a 4-bit base, give each Linear4bit's weight its module's quant_state at each forward, as bitsandbytes
+    does for a weight that has lost it (moved, gathered), but without wrapping the weight in its parameter class,
+    which a fake tensor cannot be (`quantized_base`)."""
+    if strategy.quantization is None:
+        yield
+        return
+
+    def give_back(module: torch.nn.Module) -> None:
+        module.weight.quant_state = module.quant_state
+
+    with mock.patch("bitsandbytes.nn.modules.fix_4bit_weight_quant_state_from_module", give_back):
+        yield
+
+
+def untraced_bytes(strategy: Strategy, reft_model) -> int:
+    """Count what a GPU holds that the tracker does not follow: DDP's buckets (a copy of every gradient it reduces,
+    allocated as DDP is built), under --fsdp the interventions' parameters (FSDP2's tracker follows the base and
+    the optimizer), and a quantized base's constants (a 4-bit weight's QuantState, in no module's parameters or
+    buffers)."""
+    buckets = sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
+    interventions = (sum(p.nbytes for _, p in intervention_parameters(reft_model)) if isinstance(strategy, FSDP)
+                     else 0)
+    constants = sum(quantization_constant_bytes(parameter) for parameter in reft_model.model.parameters())
+    return buckets + interventions + constants
+
+
 def memory_parts(peak: dict[str, int], reft_model, optimizer, buckets: int, untraced: int) -> dict[str, int]:
-    """Split the device's peak, with the `buckets` and other `untraced` bytes added: the base parameters this rank
-    holds, the interventions with their gradients and optimizer state (counted exactly), the communication buffers
-    (DDP's buckets; FSDP2's gathered units and their all-gather and reduce-scatter buffers), and the rest,
-    activations and temporaries of the longest step."""
+    """Split the device's peak, with the `untraced` bytes added (`untraced_bytes`: DDP's `buckets` among them): the
+    base parameters this rank holds, the interventions with their gradients and optimizer state (counted exactly),
+    the communication buffers (DDP's buckets; FSDP2's gathered units and their all-gather and reduce-scatter
+    buffers), and the rest, activations and temporaries of the longest step."""
     parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
     # a gradient of each parameter's bytes: the step's zero_grad has dropped them by now
     interventions = sum(2 * p.nbytes for p in parameters) + sum(
@@ -294,7 +368,7 @@ def memory_parts(peak: dict[str, int], reft_model, optimizer, buckets: int, untr
         base = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
     communication = buckets + sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather",
                                                                  "Reduce Scatter"))
-    total = peak["Total"] + buckets + untraced
+    total = peak["Total"] + untraced
     return {"base": base, "interventions": interventions, "communication": communication,
             "activations": max(total - base - interventions - communication, 0), "total": total}
 

@@ -4,7 +4,8 @@ around its first PLANNED_STEPS optimizer steps, as the plan runs them on fake on
     python tests/traced_run.py train.py <flags>        # or under torchrun, train_multigpu.py
 
 Each rank prints `traced peak of rank <r>: <bytes> bytes` on stdout once those steps are done: what the tracker
-saw on the training device, from the strategy's wrap to the end of the last traced step.
+saw on the training device, from the strategy's wrap to the end of the last traced step, and what the plan adds
+to it that the tracker does not follow (alpaca.plan.untraced_bytes).
 """
 
 import contextlib
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import torch.distributed as dist  # noqa: E402
 
 import alpaca.strategy  # noqa: E402
-from alpaca.plan import PLANNED_STEPS, memory_tracker, one_forward_at_a_time  # noqa: E402
+from alpaca.plan import PLANNED_STEPS, memory_tracker, one_forward_at_a_time, untraced_bytes  # noqa: E402
 
 
 def traced(strategy):
@@ -35,7 +36,8 @@ def traced(strategy):
             grad_norm = step(number)
             if number == PLANNED_STEPS:
                 tracking.close()
-                peak = tracker.get_tracker_snapshot("peak")[strategy.device]["Total"]
+                peak = (tracker.get_tracker_snapshot("peak")[strategy.device]["Total"]
+                        + untraced_bytes(strategy, reft_model))
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 print(f"traced peak of rank {rank}: {peak} bytes", flush=True)
             return grad_norm
