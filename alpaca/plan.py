@@ -406,7 +406,10 @@ def remedies(args: argparse.Namespace, strategy: Strategy, world_size: int, part
     planned again, not assumed to fit."""
     base_flags, activation_flags = [], []
     if not strategy.shards_base and world_size > 1:
-        base_flags.append("--fsdp (the base sharded over the ranks)")
+        base_flags.append("--fsdp (the base sharded over the ranks)" if strategy.quantization is None
+                          else "--fsdp (the 4-bit base sharded over the ranks; it trains, but is not planned)")
+    if strategy.quantization is None and not strategy.shards_base:
+        base_flags.append("--load_in_4bit (the base in 4 bits: another model's arithmetic, docs/big-models.md)")
     if strategy.shards_base and not strategy.offload:
         base_flags.append("--fsdp offload (the shards in CPU memory)")
     if not args.gradient_checkpointing:

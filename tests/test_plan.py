@@ -88,6 +88,25 @@ def test_train_py_plans_one_gpu_and_its_peak_grows_with_the_batch(tmp_path):
         "train_multigpu.py"], several.stderr[-2000:]
 
 
+def test_a_4bit_base_is_planned_as_bitsandbytes_stores_it(tmp_path):
+    """train.py's plan of a 4-bit NF4 base: each linear layer of the decoder's weights in 4 bits with a float32 scale
+    per block of 64 (9/16 of a byte a value), the embeddings, the LM head and the norms in bf16; a bf16 plan that
+    does not fit names --load_in_4bit among the flags to try."""
+    fields = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=1000)
+    model = llama_config(tmp_path / "config-only", **fields)
+    common = ["train.py", "--model_name_or_path", str(model), "--layers", "1;2", "--model_max_length", "64",
+              "--bf16", "--output_dir", str(tmp_path / "out")]
+    quantized = planned(run_script([*common, "--load_in_4bit", "--plan", "1x80GB"]))
+    hidden, inner, layers = fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"]
+    linear_values = layers * (4 * hidden * hidden + 3 * hidden * inner)
+    unquantized_values = 2 * fields["vocab_size"] * hidden + (2 * layers + 1) * hidden
+    assert quantized["base model"] == pytest.approx((linear_values * 9 / 16 + 2 * unquantized_values) / GiB,
+                                                    abs=0.0006)  # printed to 3 decimals
+    over = run_script([*common, "--plan", "1x1MB"])
+    assert "Verdict: does not fit." in over.stdout and "--load_in_4bit (the base in 4 bits" in over.stdout
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--plan", "8x80"], "--plan '8x80': expected [NODESx]GPUSxMEMORY"),
     (["--plan", "0x80GB"], "at least 1 node and 1 GPU"),
