@@ -117,9 +117,9 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
                 # by category name: the tracker's keys are str enums, which hash by their member's name
                 snapshot = tracker.get_tracker_snapshot("peak")[device]
                 peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
-                buckets = sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
                 # here, where host reads are answered: a 4-bit QuantState reads its values as it lists them
-                parts = memory_parts(peak, reft_model, optimizer, buckets, untraced_bytes(strategy, reft_model))
+                parts = memory_parts(peak, reft_model, optimizer, ddp_bucket_bytes(strategy),
+                                     untraced_bytes(strategy, reft_model))
     finally:
         dist.destroy_process_group()
     print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
@@ -340,12 +340,16 @@ def quant_states_given_back(strategy: Strategy) -> Iterator[None]:
         yield
 
 
+def ddp_bucket_bytes(strategy: Strategy) -> int:
+    """Count DDP's buckets: a copy of every gradient it reduces, allocated as DDP is built (none without DDP)."""
+    return sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
+
+
 def untraced_bytes(strategy: Strategy, reft_model) -> int:
-    """Count what a GPU holds that the tracker does not follow: DDP's buckets (a copy of every gradient it reduces,
-    allocated as DDP is built), under --fsdp the interventions' parameters (FSDP2's tracker follows the base and
-    the optimizer), and a quantized base's constants (a 4-bit weight's QuantState, in no module's parameters or
-    buffers)."""
-    buckets = sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
+    """Count what a GPU holds that the tracker does not follow: DDP's buckets (`ddp_bucket_bytes`), under --fsdp the
+    interventions' parameters (FSDP2's tracker follows the base and the optimizer), and a quantized base's
+    constants (a 4-bit weight's QuantState, in no module's parameters or buffers)."""
+    buckets = ddp_bucket_bytes(strategy)
     interventions = (sum(p.nbytes for _, p in intervention_parameters(reft_model)) if isinstance(strategy, FSDP)
                      else 0)
     constants = sum(quantization_constant_bytes(parameter) for parameter in reft_model.model.parameters())
