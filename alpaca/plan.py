@@ -14,9 +14,11 @@ rule (fake_cuda.NCCLDeviceRule): a tensor off the rank's GPU fails the plan with
 
 What is planned: train.py's one GPU, DDP and --fsdp (with --gradient_checkpointing and any
 --per_device_train_batch_size), and a 4-bit base (bitsandbytes' layers, quantized on the fake GPU by its own
-functions, `quantized_base`) on one GPU or under DDP. DeepSpeed and accelerate's device map need real tensors,
-FSDP2's gathered 4-bit weight a real one, and LLM.int8's outlier columns (--load_in_8bit) the activations' values:
-a plan of them is refused with one line.
+functions, `quantized_base`) on one GPU or under DDP. DeepSpeed's engine needs real tensors: a ZeRO plan runs the
+step of a torch strategy that places the base alike (`stand_in`) and counts ZeRO's model states by DeepSpeed's
+layout (`zero_parts`), and says so. Accelerate's device map needs real tensors, FSDP2's gathered 4-bit weight a real
+one, and LLM.int8's outlier columns (--load_in_8bit) the activations' values: a plan of them is refused with one
+line.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from alpaca import fake_cuda
+from alpaca import fake_cuda, zero
 from alpaca.args import resolve_device_defaults
 from alpaca.collate import Collator, give_step_counts, step_counts
 from alpaca.errors import UsageError
@@ -94,32 +96,38 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
     try:
         strategy = choose_strategy(args, device, dtype, [0], distributed=prog == "train_multigpu.py")
         check_planned(args, strategy)
+        stepped = stand_in(strategy) if isinstance(strategy, ZeRO) else strategy  # what runs on the fake GPUs
         micro_batches, collate, source = longest_micro_batches(args, config, path)
         # train_multigpu.py's step also takes a placeholder for a rank's missing micro-batches, and the GPUs whose
         # random state it keeps: every micro-batch planned is real
         takes = inspect.signature(backward_step).parameters
         rank_options = {"placeholder": micro_batches[0], "gpus": []} if "placeholder" in takes else {}
         with (fake_cuda.fake_tensor_mode(), fake_cuda.gpu_attention_kernels(), weights_not_read(),
-              quant_states_given_back(strategy),
+              quant_states_given_back(stepped),
               mock.patch("alpaca.strategy.DistributedDataParallel", ddp_on_the_fake_group)):
-            reft_model, optimizer, scheduler = build_planned_model(args, strategy, config, dtype, collate)
+            reft_model, optimizer, scheduler = build_planned_model(args, stepped, config, dtype, collate)
+            if stepped is not strategy:  # its model-sized values, as ZeRO's wrap fills them (alpaca.zero.start)
+                zero.fill_model_sized(strategy.config, reft_model.model, sum(
+                    parameter.numel() for _, parameter in intervention_parameters(reft_model)))
             with fake_cuda.HostReads(), fake_cuda.NCCLDeviceRule(device) as rule:
-                train_model = strategy.wrap(reft_model, optimizer, scheduler, None)
-                tracker = memory_tracker(strategy, reft_model, optimizer)
+                train_model = stepped.wrap(reft_model, optimizer, scheduler, None)
+                tracker = memory_tracker(stepped, reft_model, optimizer)
                 with one_forward_at_a_time(tracker, train_model), tracker:
                     for step in range(PLANNED_STEPS):
                         window = LogWindow(device)
                         counts = [count * world_size for count in step_counts(micro_batches)]  # every rank's alike
                         give_step_counts(micro_batches, counts)
-                        backward_step(strategy, train_model, micro_batches, counts[0], window, device,
+                        backward_step(stepped, train_model, micro_batches, counts[0], window, device,
                                       **rank_options)
-                        strategy.step(step + 1)
+                        stepped.step(step + 1)
                 # by category name: the tracker's keys are str enums, which hash by their member's name
                 snapshot = tracker.get_tracker_snapshot("peak")[device]
                 peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
                 # here, where host reads are answered: a 4-bit QuantState reads its values as it lists them
-                parts = memory_parts(peak, reft_model, optimizer, ddp_bucket_bytes(strategy),
-                                     untraced_bytes(strategy, reft_model))
+                parts = memory_parts(peak, reft_model, optimizer, ddp_bucket_bytes(stepped),
+                                     untraced_bytes(stepped, reft_model))
+                if stepped is not strategy:
+                    parts = zero_parts(parts, strategy, reft_model, world_size)
     finally:
         dist.destroy_process_group()
     print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
@@ -156,6 +164,33 @@ def averaged_on_the_fake_group(state, bucket):  # no annotation: DDP checks it, 
     averaged = torch.futures.Future()
     averaged.set_result(buffer.div_(dist.get_world_size()))
     return averaged
+
+
+def stand_in(strategy: ZeRO) -> Strategy:
+    """Return the strategy whose step a ZeRO plan runs on the fake GPUs, DeepSpeed's engine needing real tensors: DDP
+    for ZeRO-1/2 (the same replicated base and forward), --fsdp for ZeRO-3 (a base sharded, gathered as it runs; its
+    shards in CPU memory with offload_param). `zero_parts` then counts the model states as ZeRO holds them."""
+    if strategy.shards_base:
+        return FSDP(strategy.device, strategy.max_grad_norm, offload=strategy.offload)
+    return DDP(strategy.device, strategy.max_grad_norm, quantization=strategy.quantization)
+
+
+def zero_parts(planned: dict[str, int], strategy: ZeRO, reft_model, world_size: int) -> dict[str, int]:
+    """Count the parts of a ZeRO plan: the activations of the stand-in's step (`stand_in`, planned as `memory_parts`
+    splits it), the model states by DeepSpeed's layout and the strategy's config, its model-sized values filled
+    (alpaca.zero.planned_base_bytes, planned_trainable_bytes). Under ZeRO-3 the communication buffers keep the
+    stand-in's gathered decoder layer and its all-gather buffer (FSDP gathers a layer where DeepSpeed gathers a
+    module, so at least as much), plus the prefetcher's bucket."""
+    trainable = [parameter for _, parameter in intervention_parameters(reft_model)]
+    states, buckets = zero.planned_trainable_bytes(strategy.config, trainable, world_size)
+    base, gathered = planned["base"], 0
+    if strategy.shards_base:
+        buffers = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
+        base = buffers + zero.planned_base_bytes(strategy.config, list(reft_model.model.parameters()), world_size)
+        gathered = planned["communication"] + zero.planned_prefetch_bytes(strategy.config, reft_model.model.dtype)
+    parts = {"base": base, "interventions": states, "communication": buckets + gathered,
+             "activations": planned["activations"]}
+    return {**parts, "total": sum(parts.values())}
 
 
 def memory_tracker(strategy: Strategy, reft_model, optimizer) -> MemTracker:
@@ -199,9 +234,6 @@ def check_planned(args: argparse.Namespace, strategy: Strategy) -> None:
     for flag, step in (("packing", "the longest padded micro-batches"), ("torch_compile", "the eager step")):
         if getattr(args, flag):
             raise UsageError(f"--plan does not plan --{flag}: it runs {step}; plan without --{flag}")
-    if isinstance(strategy, ZeRO):
-        raise UsageError("--plan does not plan --deepspeed: DeepSpeed's engine needs real tensors; plan --fsdp, "
-                         "which shards the base as ZeRO-3 does (docs/big-models.md#will-it-fit)")
     if args.load_in_8bit:
         raise UsageError("--plan does not plan --load_in_8bit: which of LLM.int8's columns are outliers, kept in 16 "
                          "bits, depends on the activations' values, which a plan has none of; plan --load_in_4bit "
@@ -398,6 +430,11 @@ def plan_report(args: argparse.Namespace, strategy: Strategy, world_size: int, g
         lines.append("Verdict: fits.")
     else:
         lines.append("Verdict: does not fit. " + remedies(args, strategy, world_size, parts, gpu_bytes))
+    if isinstance(strategy, ZeRO):
+        lines.append("DeepSpeed's engine needs real tensors: its model states are counted by formula, at their most "
+                     "(alpaca.zero.planned_base_bytes and planned_trainable_bytes; tests/test_plan.py checks the plan "
+                     "against a CPU run), and the activations and the collectives below are those of "
+                     f"{'--fsdp' if strategy.shards_base else 'DDP'}'s step (alpaca.plan.stand_in).")
     lines.append(f"Planned in {seconds:.0f}s on fake GPUs: {PLANNED_STEPS} steps of the script's own step, whose "
                  f"{collectives} collectives all took tensors on the rank's GPU, as NCCL needs; nothing was trained, "
                  "--output_dir untouched.")
@@ -409,13 +446,17 @@ def remedies(args: argparse.Namespace, strategy: Strategy, world_size: int, part
     """Name the flags that shrink the larger of what overflows, the base or the activations, first; each is to be
     planned again, not assumed to fit."""
     base_flags, activation_flags = [], []
+    deepspeed = isinstance(strategy, ZeRO)
     if not strategy.shards_base and world_size > 1:
         base_flags.append("--fsdp (the base sharded over the ranks)" if strategy.quantization is None
                           else "--fsdp (the 4-bit base sharded over the ranks; it trains, but is not planned)")
+        if deepspeed and strategy.quantization is None:
+            base_flags.append("--deepspeed examples/deepspeed/zero3.json (ZeRO-3: the base partitioned over the ranks)")
     if strategy.quantization is None and not strategy.shards_base:
         base_flags.append("--load_in_4bit (the base in 4 bits: another model's arithmetic, docs/big-models.md)")
     if strategy.shards_base and not strategy.offload:
-        base_flags.append("--fsdp offload (the shards in CPU memory)")
+        base_flags.append("--deepspeed examples/deepspeed/zero3_offload.json (the partitions in CPU memory)"
+                          if deepspeed else "--fsdp offload (the shards in CPU memory)")
     if not args.gradient_checkpointing:
         activation_flags.append("--gradient_checkpointing (a decoder layer's activations recomputed in the backward)")
     if args.per_device_train_batch_size % 2 == 0:

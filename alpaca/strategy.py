@@ -221,6 +221,7 @@ class ZeRO(Strategy):
         super().__init__(device, max_grad_norm, quantization=quantization)  # ZeRO-1/2 only (alpaca.args)
         self.config, self.timeout = config, timeout  # the process group's (--ddp_timeout)
         self.shards_base = zero.stage(config) == 3
+        self.offload = zero.offloaded(config, "offload_param")  # the base's partitions in CPU memory
         self.layout = f"{'sharded' if self.shards_base else 'replicated'} (DeepSpeed ZeRO-{zero.stage(config)})"
         if self.shards_base and device.type == "cpu":
             return_freed_buffers_to_the_os()

@@ -53,6 +53,10 @@ def deepspeed_package():
     return deepspeed
 
 
+def offloaded(config: dict, section: str) -> bool:
+    return config["zero_optimization"].get(section, {}).get("device", "none") != "none"
+
+
 def check_for_device(config: dict, path: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse what the device or the dtype cannot run. Offloading moves ZeRO's state from GPUs to the CPU: meaningless
     on a CPU. A float16 base would need loss scaling (see the module's docstring)."""
@@ -60,8 +64,7 @@ def check_for_device(config: dict, path: str, device: torch.device, dtype: torch
         raise UsageError(f"--deepspeed {path}: a float16 base needs loss scaling, which these scripts do not run "
                          "under DeepSpeed; pass --dtype bfloat16 (or float32)")
     for section in ("offload_optimizer", "offload_param"):
-        offload = config["zero_optimization"].get(section, {}).get("device", "none")
-        if offload != "none" and device.type != "cuda":
+        if offloaded(config, section) and device.type != "cuda":
             example = "zero3.json" if stage(config) == 3 else "zero2.json"
             raise UsageError(f'--deepspeed {path}: zero_optimization.{section} moves state from GPUs to the CPU; '
                              f'on CPUs set its "device" to "none" (examples/deepspeed/{example})')
@@ -108,6 +111,43 @@ def fill_model_sized(config: dict, model, trainable_elements: int) -> None:
     if zero.get("stage3_max_reuse_distance") == "auto":
         zero["stage3_max_reuse_distance"] = one_layer_parameters(model)
     zero["reduce_bucket_size"] = min(int(zero.get("reduce_bucket_size", trainable_elements)), trainable_elements)
+
+
+def partition_bytes(tensor: torch.Tensor, world_size: int) -> int:
+    """Count a rank's bytes of a tensor partitioned by ZeRO: ceil(numel / world) elements (the last partition
+    padded). `tensor` may be whole, meta or a sharded DTensor: only its global size is read."""
+    return -(-tensor.numel() // world_size) * tensor.element_size()
+
+
+def planned_base_bytes(config: dict, base: list[torch.Tensor], world_size: int) -> int:
+    """Count the GPU bytes of a rank's ZeRO-3 base, for a plan (alpaca.plan), where DeepSpeed's engine cannot run (it
+    needs real tensors): each tensor's partition (`partition_bytes`), and the whole tensor too where it stays
+    gathered (up to stage3_param_persistence_threshold elements, filled by `fill_model_sized`); none with
+    offload_param."""
+    if offloaded(config, "offload_param"):
+        return 0
+    persistent = int(config["zero_optimization"].get("stage3_param_persistence_threshold", 1e5))  # DeepSpeed's default
+    return sum(partition_bytes(t, world_size) + (t.numel() <= persistent) * t.numel() * t.element_size() for t in base)
+
+
+def planned_prefetch_bytes(config: dict, dtype: torch.dtype) -> int:
+    """Count the GPU bytes ZeRO-3's prefetcher may hold gathered ahead of the module that runs, for a plan: its bucket,
+    stage3_prefetch_bucket_size elements of the base's dtype (0 in examples/deepspeed/zero3.json)."""
+    return int(config["zero_optimization"].get("stage3_prefetch_bucket_size", 5e7)) * dtype.itemsize  # its default
+
+
+def planned_trainable_bytes(config: dict, trainable: list[torch.Tensor], world_size: int) -> tuple[int, int]:
+    """Count, at their most, the GPU bytes of a rank's ZeRO engine for the trainable parameters, for a plan: the
+    parameters and their gradient whole (under stage 3 gathered for their forward and backward, besides their
+    partitions), this rank's partitions of the float32 copy, the gradient and AdamW's two moments, unless
+    offload_optimizer keeps those in CPU memory; and the reduce bucket (`fill_model_sized`: at most every trainable
+    value), twice with overlap_comm. Returns (the parameters' states, the buckets)."""
+    whole = sum(t.numel() * t.element_size() for t in trainable)
+    partitions = sum(partition_bytes(t, world_size) for t in trainable)
+    on_gpu = not offloaded(config, "offload_optimizer")
+    states = 2 * whole + partitions * (stage(config) == 3) + 4 * partitions * on_gpu
+    bucket = int(config["zero_optimization"]["reduce_bucket_size"]) * 4  # float32 gradients
+    return states, bucket * (2 if config["zero_optimization"].get("overlap_comm") else 1)
 
 
 def start(config: dict, model, device: torch.device, timeout: datetime.timedelta, trainable_elements: int) -> None:

@@ -5,7 +5,7 @@ import json
 import re
 
 import pytest
-from conftest import build_tiny_model, free_port, run_script, write_records
+from conftest import build_tiny_model, deepspeed_config_file, free_port, run_script, write_records
 
 GiB = 2**30
 LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
@@ -176,6 +176,46 @@ def test_the_planned_peak_is_a_real_runs_peak(script, strategy, tmp_path):
     config = json.loads((model / "config.json").read_text())
     bound = 3 * 4 * width * 8 + (config["vocab_size"] * config["hidden_size"] * 4 if "--fsdp" in strategy else 0)
     assert abs(planned_peak - real_peak) <= bound, (planned_peak, real_peak, bound)
+
+
+@pytest.mark.parametrize("stage, rank", [(2, 32), (3, 4)])
+def test_a_zero_plan_bounds_a_real_runs_peak(stage, rank, tmp_path):
+    """DeepSpeed's engine cannot run on fake tensors: a ZeRO plan runs DDP's step (ZeRO-3: --fsdp's) and counts the
+    model states by DeepSpeed's layout (alpaca.plan.zero_parts). Against the same tracker around a real ZeRO run
+    on 2 gloo processes (plus ZeRO-3's partitions, which the tracker does not follow), the plan is never below the
+    real peak, and above it by at most what it counts at its most or places differently (derived here):
+    - one micro-batch of int64 input ids, attention mask and labels (test_the_planned_peak_is_a_real_runs_peak);
+    - everything ZeRO holds for the trainable values, counted all at once: their parameters and a whole gradient,
+      the partitions of their float32 copy, gradient and AdamW's two moments (and of the parameters under ZeRO-3),
+      and the two reduce buckets of overlap_comm (each holding every trainable value);
+    - under ZeRO-3, --fsdp's gathered unit and its all-gather buffer, where DeepSpeed gathers one module: two
+      copies of the largest unit (a decoder layer or the embedding matrix).
+    Each stage at a rank where what its formula adds weighs more than the bound's slack: a ZeRO-2 plan that dropped
+    the trainable states (--rank 32), a ZeRO-3 plan that left the base unpartitioned or dropped the gathered
+    parameters (--rank 4: a smaller slack for the trainable values), fails it."""
+    model = build_tiny_model(tmp_path / "tiny")
+    data = same_length_records(tmp_path / "data.json", 16)
+    flags = ["train_multigpu.py", "--model_name_or_path", str(model), "--data_path", str(data), "--layers", "1;2",
+             "--dtype", "float32", "--per_device_train_batch_size", "4", "--max_steps", "2", "--num_sample_answers",
+             "0", "--pad_to_multiple_of", "64", "--attn_implementation", "eager", "--rank", str(rank),
+             "--deepspeed", str(deepspeed_config_file(tmp_path, stage))]
+    real = run_script(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                       "tests/traced_run.py", *flags, "--output_dir", str(tmp_path / "real")])
+    assert real.returncode == 0, real.stderr[-3000:]
+    [real_peak] = map(int, re.findall(r"traced peak of rank 0: (\d+) bytes", real.stdout))
+    plan = run_script([*flags, "--plan", "2x1GB", "--output_dir", str(tmp_path / "p")])
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "its model states are counted by formula" in plan.stdout
+    planned_peak = int(re.search(r"headroom; (\d+) bytes", plan.stdout).group(1))
+    width = int(re.search(r"of 4 x (\d+) tokens", plan.stdout).group(1))
+    config = json.loads((model / "config.json").read_text())
+    hidden = config["hidden_size"]
+    trainable = 4 * (2 * hidden * rank + rank) * 4  # 2 layers x 2 positions of LoReFT: rotation, source, bias
+    layer = (2 * hidden * hidden + 2 * hidden * config["num_key_value_heads"] * config["head_dim"]
+             + 3 * hidden * config["intermediate_size"] + 2 * hidden) * 4
+    gathered = 2 * max(layer, config["vocab_size"] * hidden * 4) if stage == 3 else 0
+    bound = 3 * 4 * width * 8 + (2 + 4 / 2 + (stage == 3) / 2 + 2) * trainable + gathered
+    assert real_peak <= planned_peak <= real_peak + bound, (planned_peak, real_peak, bound)
 
 
 # Defects of the kind NCCL refuses and gloo on CPU accepts, each planted in a copy of the code the plan runs.

@@ -5,7 +5,7 @@ around its first PLANNED_STEPS optimizer steps, as the plan runs them on fake on
 
 Each rank prints `traced peak of rank <r>: <bytes> bytes` on stdout once those steps are done: what the tracker
 saw on the training device, from the strategy's wrap to the end of the last traced step, and what the plan adds
-to it that the tracker does not follow (alpaca.plan.untraced_bytes).
+to it that the tracker does not follow (alpaca.plan.untraced_bytes; under ZeRO-3 the parameters' partitions).
 """
 
 import contextlib
@@ -17,7 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import torch.distributed as dist  # noqa: E402
 
 import alpaca.strategy  # noqa: E402
+from alpaca.model import intervention_parameters  # noqa: E402
 from alpaca.plan import PLANNED_STEPS, memory_tracker, one_forward_at_a_time, untraced_bytes  # noqa: E402
+
+
+def zero_partitions(reft_model) -> int:
+    """Count ZeRO-3's partitions of the parameters (`ds_tensor`), which the tracker misses: it follows a partitioned
+    parameter's empty placeholder."""
+    parameters = [*reft_model.model.parameters(), *(p for _, p in intervention_parameters(reft_model))]
+    return sum(p.ds_tensor.nbytes for p in parameters if hasattr(p, "ds_tensor"))
 
 
 def traced(strategy):
@@ -37,7 +45,7 @@ def traced(strategy):
             if number == PLANNED_STEPS:
                 tracking.close()
                 peak = (tracker.get_tracker_snapshot("peak")[strategy.device]["Total"]
-                        + untraced_bytes(strategy, reft_model))
+                        + untraced_bytes(strategy, reft_model) + zero_partitions(reft_model))
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 print(f"traced peak of rank {rank}: {peak} bytes", flush=True)
             return grad_norm
