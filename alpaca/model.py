@@ -176,10 +176,10 @@ def check_model(args) -> str:
 
 
 def quantization_config(quantization: dict | None, dtype: torch.dtype, device_map=None):
-    """Return transformers' BitsAndBytesConfig for `quantization` (alpaca.args.quantization_settings), computing in
-    `dtype`, or None. Under a device map on GPUs, the modules it puts on the CPU stay unquantized (float32, in
-    transformers' option's name): bitsandbytes computes a module where it is quantized, which accelerate's
-    offloading does not keep."""
+    """Return transformers' BitsAndBytesConfig for `quantization` (alpaca.quantization_flags.quantization_settings),
+    computing in `dtype`, or None. Under a device map on GPUs, the modules it puts on the CPU stay unquantized
+    (float32, in transformers' option's name): bitsandbytes computes a module where it is quantized, which
+    accelerate's offloading does not keep."""
     if not quantization:
         return None
     quiet_bitsandbytes_logs()  # before transformers imports bitsandbytes
@@ -193,8 +193,8 @@ def load_base_model(model_name_or_path: str, dtype: torch.dtype, device: torch.d
     On the meta device the weights are not read: `reader` fills each rank's part later (--fsdp:
     `alpaca.sharding.load_shards`; ZeRO-3: `alpaca.zero.partition_base`). With a `device_map`
     (alpaca.device_map.DeviceMap) transformers spreads it over devices instead of `device`. With `quantization`
-    (alpaca.args.quantization_settings) bitsandbytes quantizes its linear layers as they load, in place: on
-    `device`, or where the map puts them; on the meta device they are bitsandbytes' layers already
+    (alpaca.quantization_flags.quantization_settings) bitsandbytes quantizes its linear layers as they load, in
+    place: on `device`, or where the map puts them; on the meta device they are bitsandbytes' layers already
     (`alpaca.sharding.quantize_empty_base`), and `load_shards` quantizes their weights."""
     path = resolve_model_path(model_name_or_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(

@@ -33,12 +33,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from alpaca import zero
-from alpaca.args import quantization_settings
 from alpaca.device_map import DeviceMap
 from alpaca.errors import UsageError
 from alpaca.layers import decoder_layers
 from alpaca.model import intervention_parameters, load_base_model
 from alpaca.optim import clip_and_step, non_finite
+from alpaca.quantization_flags import quantization_settings
 from alpaca.sharding import load_shards, return_freed_buffers_to_the_os
 from alpaca.workarounds import index_tensors_on
 
@@ -55,7 +55,8 @@ class Strategy:
     def __init__(self, device: torch.device, max_grad_norm: float, device_map: DeviceMap | None = None,
                  quantization: dict | None = None) -> None:
         self.device, self.max_grad_norm, self.device_map = device, max_grad_norm, device_map
-        self.quantization = quantization  # bitsandbytes' (alpaca.args.quantization_settings): each process its copy
+        # bitsandbytes' (alpaca.quantization_flags.quantization_settings): each process its copy
+        self.quantization = quantization
 
     def load_base(self, model_path: str, dtype: torch.dtype, cache_dir: str | None):
         model, tokenizer = load_base_model(model_path, dtype, self.device, cache_dir, device_map=self.device_map,

@@ -32,17 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `alpaca`
 
-from alpaca.args import (
-    UsageParser,
-    add_device_map_flags,
-    add_quantization_flags,
-    exit_on_usage_error,
-    quantization_settings,
-    validate_device_map,
-    validate_quantization,
-)
+from alpaca.args import UsageParser, add_device_map_flags, exit_on_usage_error, validate_device_map
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_position
+from alpaca.quantization_flags import add_quantization_flags, quantization_settings, validate_quantization
 from alpaca.versions import check_torch
 
 PROG = "generate.py"
