@@ -180,14 +180,16 @@ def zero_parts(planned: dict[str, int], strategy: ZeRO, reft_model, world_size: 
     splits it), the model states by DeepSpeed's layout and the strategy's config, its model-sized values filled
     (alpaca.zero.planned_base_bytes, planned_trainable_bytes). Under ZeRO-3 the communication buffers keep the
     stand-in's gathered decoder layer and its all-gather buffer (FSDP gathers a layer where DeepSpeed gathers a
-    module, so at least as much), plus the prefetcher's bucket."""
+    module, so at least as much), plus the prefetcher's bucket and the module DeepSpeed keeps gathered for its
+    backward, which FSDP gathers again."""
     trainable = [parameter for _, parameter in intervention_parameters(reft_model)]
     states, buckets = zero.planned_trainable_bytes(strategy.config, trainable, world_size)
     base, gathered = planned["base"], 0
     if strategy.shards_base:
         buffers = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
         base = buffers + zero.planned_base_bytes(strategy.config, list(reft_model.model.parameters()), world_size)
-        gathered = planned["communication"] + zero.planned_prefetch_bytes(strategy.config, reft_model.model.dtype)
+        gathered = (planned["communication"] + zero.planned_prefetch_bytes(strategy.config, reft_model.model.dtype)
+                    + zero.planned_reused_bytes(reft_model.model, strategy.config))
     parts = {"base": base, "interventions": states, "communication": buckets + gathered,
              "activations": planned["activations"]}
     return {**parts, "total": sum(parts.values())}

@@ -136,6 +136,16 @@ def planned_prefetch_bytes(config: dict, dtype: torch.dtype) -> int:
     return int(config["zero_optimization"].get("stage3_prefetch_bucket_size", 5e7)) * dtype.itemsize  # its default
 
 
+def planned_reused_bytes(model, config: dict) -> int:
+    """Count the GPU bytes of the largest module ZeRO-3 keeps gathered from its forward into its backward, for a plan:
+    a module used again within stage3_max_reuse_distance elements stays gathered (the LM head across the loss, where
+    it has no more elements than that distance)."""
+    reuse = int(config["zero_optimization"].get("stage3_max_reuse_distance", 1e9))  # DeepSpeed's default
+    modules = [list(module.parameters(recurse=False)) for module in model.modules()]
+    return max((sum(p.numel() * p.element_size() for p in parameters) for parameters in modules
+                if 0 < sum(p.numel() for p in parameters) <= reuse), default=0)
+
+
 def planned_trainable_bytes(config: dict, trainable: list[torch.Tensor], world_size: int) -> tuple[int, int]:
     """Count, at their most, the GPU bytes of a rank's ZeRO engine for the trainable parameters, for a plan: the
     parameters and their gradient whole (under stage 3 gathered for their forward and backward, besides their
