@@ -15,8 +15,8 @@ rule (fake_cuda.NCCLDeviceRule): a tensor off the rank's GPU fails the plan with
 What is planned: train.py's one GPU, DDP and --fsdp (with --gradient_checkpointing and any
 --per_device_train_batch_size), and a 4-bit base (bitsandbytes' layers, quantized on the fake GPU by its own
 functions, `quantized_base`) on one GPU or under DDP. DeepSpeed's engine needs real tensors: a ZeRO plan runs the
-step of a torch strategy that places the base alike (`stand_in`) and counts ZeRO's model states by DeepSpeed's
-layout (`zero_parts`), and says so. Accelerate's device map needs real tensors, FSDP2's gathered 4-bit weight a real
+step of a torch strategy that places the base alike and counts ZeRO's model states by DeepSpeed's layout
+(alpaca.plan_zero), and says so. Accelerate's device map needs real tensors, FSDP2's gathered 4-bit weight a real
 one, and LLM.int8's outlier columns (--load_in_8bit) the activations' values: a plan of them is refused with one
 line.
 """
@@ -57,6 +57,7 @@ from alpaca.model import (
 )
 from alpaca.optim import build_optimizer
 from alpaca.output import LogWindow
+from alpaca.plan_zero import stand_in, zero_parts
 from alpaca.step_schedule import StepSchedule
 from alpaca.strategy import (
     DDP,
@@ -164,35 +165,6 @@ def averaged_on_the_fake_group(state, bucket):  # no annotation: DDP checks it, 
     averaged = torch.futures.Future()
     averaged.set_result(buffer.div_(dist.get_world_size()))
     return averaged
-
-
-def stand_in(strategy: ZeRO) -> Strategy:
-    """Return the strategy whose step a ZeRO plan runs on the fake GPUs, DeepSpeed's engine needing real tensors: DDP
-    for ZeRO-1/2 (the same replicated base and forward), --fsdp for ZeRO-3 (a base sharded, gathered as it runs; its
-    shards in CPU memory with offload_param). `zero_parts` then counts the model states as ZeRO holds them."""
-    if strategy.shards_base:
-        return FSDP(strategy.device, strategy.max_grad_norm, offload=strategy.offload)
-    return DDP(strategy.device, strategy.max_grad_norm, quantization=strategy.quantization)
-
-
-def zero_parts(planned: dict[str, int], strategy: ZeRO, reft_model, world_size: int) -> dict[str, int]:
-    """Count the parts of a ZeRO plan: the activations of the stand-in's step (`stand_in`, planned as `memory_parts`
-    splits it), the model states by DeepSpeed's layout and the strategy's config, its model-sized values filled
-    (alpaca.zero.planned_base_bytes, planned_trainable_bytes). Under ZeRO-3 the communication buffers keep the
-    stand-in's gathered decoder layer and its all-gather buffer (FSDP gathers a layer where DeepSpeed gathers a
-    module, so at least as much), plus the prefetcher's bucket and the module DeepSpeed keeps gathered for its
-    backward, which FSDP gathers again."""
-    trainable = [parameter for _, parameter in intervention_parameters(reft_model)]
-    states, buckets = zero.planned_trainable_bytes(strategy.config, trainable, world_size)
-    base, gathered = planned["base"], 0
-    if strategy.shards_base:
-        buffers = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
-        base = buffers + zero.planned_base_bytes(strategy.config, list(reft_model.model.parameters()), world_size)
-        gathered = (planned["communication"] + zero.planned_prefetch_bytes(strategy.config, reft_model.model.dtype)
-                    + zero.planned_reused_bytes(reft_model.model, strategy.config))
-    parts = {"base": base, "interventions": states, "communication": buckets + gathered,
-             "activations": planned["activations"]}
-    return {**parts, "total": sum(parts.values())}
 
 
 def memory_tracker(strategy: Strategy, reft_model, optimizer) -> MemTracker:
@@ -436,7 +408,7 @@ def plan_report(args: argparse.Namespace, strategy: Strategy, world_size: int, g
         lines.append("DeepSpeed's engine needs real tensors: its model states are counted by formula, at their most "
                      "(alpaca.zero.planned_base_bytes and planned_trainable_bytes; tests/test_plan.py checks the plan "
                      "against a CPU run), and the activations and the collectives below are those of "
-                     f"{'--fsdp' if strategy.shards_base else 'DDP'}'s step (alpaca.plan.stand_in).")
+                     f"{'--fsdp' if strategy.shards_base else 'DDP'}'s step (alpaca.plan_zero.stand_in).")
     lines.append(f"Planned in {seconds:.0f}s on fake GPUs: {PLANNED_STEPS} steps of the script's own step, whose "
                  f"{collectives} collectives all took tensors on the rank's GPU, as NCCL needs; nothing was trained, "
                  "--output_dir untouched.")
