@@ -85,12 +85,14 @@ class DeviceMap:
                              "name a device it has")
         return self.gpus[device]
 
-    def from_pretrained_kwargs(self, model_path: str, dtype: torch.dtype, cache_dir: str | None) -> dict:
+    def from_pretrained_kwargs(self, model_path: str, dtype: torch.dtype, cache_dir: str | None,
+                               model: torch.nn.Module | None = None) -> dict:
         """Return what `from_pretrained` is given to place the model: a JSON map is checked first against the model
-        (built on the meta device: no weight read); a named strategy gets the memory of this process's devices only."""
+        (`model`, or one built on the meta device: no weight read); a named strategy gets the memory of this process's
+        devices only."""
         kwargs = {"offload_folder": self.offload_folder}
         if isinstance(self.device_map, dict):
-            check_covers(self.device_map, model_path, dtype, cache_dir)
+            check_covers(self.device_map, model or empty_base_model(model_path, dtype, cache_dir))
             kwargs["device_map"] = {name: self.on_node(device, "--device_map")
                                     for name, device in self.device_map.items()}
             return kwargs
@@ -125,11 +127,10 @@ class DeviceMap:
         return ", ".join(f"{device}: {sum(str(d) == device for d in placed)} modules" for device in devices)
 
 
-def check_covers(device_map: dict, model_path: str, dtype: torch.dtype, cache_dir: str | None) -> None:
+def check_covers(device_map: dict, model: torch.nn.Module) -> None:
     """Check that every name of a JSON map is a module or tensor of the model, and every tensor of its state dict (a
     tied LM head's too, as accelerate checks) and every buffer is placed by one: accelerate would silently skip an
     unknown name, and leave an unplaced buffer (rotary tables) where it was built."""
-    model = empty_base_model(model_path, dtype, cache_dir)
     tensors = list(dict.fromkeys([*model.state_dict(keep_vars=True), *(name for name, _ in model.named_buffers())]))
     known = {name for name, _ in model.named_modules()} | set(tensors)
     unknown = [name for name in device_map if name not in known]

@@ -11,6 +11,7 @@ devices' fake tensors and needs neither.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -19,10 +20,13 @@ import traceback
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from alpaca.errors import PlannedFailure, UsageError
@@ -90,17 +94,18 @@ class Event(torch.Event):
         return super().__new__(cls, device=current(), enable_timing=enable_timing)
 
 
-def answer_torch_cuda(gpu_bytes: int) -> None:
-    """Answer the torch.cuda functions FSDP2 and torch.distributed call, on a CPU build (whose torch.cuda calls
-    the CUDA runtime it lacks), as one GPU of `gpu_bytes` with compute capability 9.0 would; and make
-    `record_stream` a no-op on fake tensors (it has no fake kernel)."""
+def answer_torch_cuda(gpu_bytes: int, count: int) -> None:
+    """Answer the torch.cuda functions FSDP2, torch.distributed and accelerate call, on a CPU build (whose torch.cuda
+    calls the CUDA runtime it lacks), as a node of `count` GPUs of `gpu_bytes` each, free, with compute capability 9.0
+    would; and make `record_stream` a no-op on fake tensors (it has no fake kernel)."""
     if torch.backends.cuda.is_built():
         return
     cuda = torch.cuda
     cuda._lazy_init = lambda: None
     cuda.is_initialized = lambda: True
     cuda.current_device = lambda: current().index
-    cuda.device_count = lambda: DEVICES
+    cuda.device_count = lambda: count
+    cuda.mem_get_info = lambda device=None: (gpu_bytes, gpu_bytes)
     cuda.Stream, cuda.Event = Stream, Event
     cuda.current_stream = cuda.default_stream = lambda device=None: torch.accelerator.current_stream(current())
     cuda.stream = lambda stream: contextlib.nullcontext() if stream is None else stream
@@ -179,19 +184,43 @@ def gpu_attention_kernels() -> Iterator[None]:
         F.scaled_dot_product_attention = sdpa
 
 
+@functools.wraps(DistributedDataParallel, assigned=(), updated=())  # its signature, which the strategy reads
+def ddp_on_the_fake_group(module: torch.nn.Module, **options) -> DistributedDataParallel:
+    """torch's DDP, where its C++ parts would read a fake tensor's data or the fake group's results: the check that
+    every rank's parameters have the same shapes (a plan has one rank), the order its buckets are rebuilt in after
+    the first step (the same bytes in another order), and its runtime statistics (timed with CUDA events, which the
+    CPU build has no timer of). Its gradient all-reduce runs as a comm hook doing what its own does: the fake
+    group's futures hold no tensor for the reducer to read back."""
+    with mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes"):
+        ddp = DistributedDataParallel(module, **options)
+    ddp.register_comm_hook(None, ddp_gradient_all_reduce)
+    ddp.reducer = mock.Mock(wraps=ddp.reducer, _rebuild_buckets=lambda: False)
+    ddp.logger = mock.Mock()
+    return ddp
+
+
+def ddp_gradient_all_reduce(state, bucket):  # no annotation: DDP checks it, and this module makes it a string
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer)
+    averaged = torch.futures.Future()
+    averaged.set_result(buffer.div_(dist.get_world_size()))
+    return averaged
+
+
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 OUTSIDE = (f"{os.sep}torch{os.sep}", f"{os.sep}alpaca{os.sep}fake_cuda.py")
 
 
 class NCCLDeviceRule(TorchDispatchMode):
-    """Hold every collective that reaches the process group to NCCL's rule: its tensors on `device`, the GPU the
-    rank's group is bound to. gloo on CPU takes a CPU tensor or another device's, NCCL raises: a collective breaking
-    the rule ends the plan with one line naming the call site (the first frame outside torch). DDP's reducer,
-    FSDP2's all-gathers and reduce-scatters and torch.distributed's functions all pass through here."""
+    """Hold every collective that reaches the process group to NCCL's rule: its tensors on `bound`, the GPU the
+    rank's group is bound to (init_process_group's device_id), or, a group bound to none, on one of the rank's `gpus`.
+    gloo on CPU takes a CPU tensor or another device's, NCCL raises: a collective breaking the rule ends the plan with
+    one line naming the call site (the first frame outside torch). DDP's reducer, FSDP2's all-gathers
+    and reduce-scatters and torch.distributed's functions all pass through here."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, bound: torch.device | None, gpus: list[int]) -> None:
         super().__init__()
-        self.device = device
+        self.devices = [bound] if bound is not None else [torch.device("cuda", gpu) for gpu in gpus]
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -200,11 +229,11 @@ class NCCLDeviceRule(TorchDispatchMode):
             self.count += 1
             tensors = [value for value in torch.utils._pytree.tree_leaves((args, kwargs))
                        if isinstance(value, torch.Tensor)]
-            stray = next((tensor for tensor in tensors if tensor.device != self.device), None)
+            stray = next((tensor for tensor in tensors if tensor.device not in self.devices), None)
             if stray is not None:
-                name = func.__name__.split(".")[0]
+                name, devices = func.__name__.split(".")[0], " or ".join(map(str, self.devices))
                 raise PlannedFailure(f"a collective ({name}) at {call_site()} is given a tensor on {stray.device}, "
-                                     f"where NCCL takes only the rank's {self.device}: it would fail on GPUs")
+                                     f"where NCCL takes only the rank's {devices}: it would fail on GPUs")
         return func(*args, **kwargs)
 
 
@@ -213,4 +242,4 @@ def call_site() -> str:
     for frame in reversed(traceback.extract_stack()):
         if not any(part in frame.filename for part in OUTSIDE):
             return f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
-    return "an unknown place"
+    return "the backward (autograd's device thread: DDP's or FSDP2's gradient communication)"

@@ -12,20 +12,19 @@ interventions, the optimizer and the collator are the script's; the micro-batche
 and its peak is the plan's. Every collective of the wrap and the steps, FSDP2's own included, is held to NCCL's
 rule (fake_cuda.NCCLDeviceRule): a tensor off the rank's GPU fails the plan with its call site.
 
-What is planned: train.py's one GPU, DDP and --fsdp (with --gradient_checkpointing and any
+What is planned: train.py's one GPU, --device_map (one process per node over its GPUs, the base placed by
+transformers' map, alpaca.plan_device_map), DDP and --fsdp (with --gradient_checkpointing and any
 --per_device_train_batch_size), and a 4-bit base (bitsandbytes' layers, quantized on the fake GPU by its own
 functions, `quantized_base`) on one GPU or under DDP. DeepSpeed's engine needs real tensors: a ZeRO plan runs the
 step of a torch strategy that places the base alike and counts ZeRO's model states by DeepSpeed's layout
-(alpaca.plan_zero), and says so. Accelerate's device map needs real tensors, FSDP2's gathered 4-bit weight a real
-one, and LLM.int8's outlier columns (--load_in_8bit) the activations' values: a plan of them is refused with one
-line.
+(alpaca.plan_zero), and says so. FSDP2's gathered 4-bit weight needs a real one, and LLM.int8's outlier columns
+(--load_in_8bit) the activations' values: a plan of them is refused with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import inspect
 import os
 import time
@@ -38,12 +37,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from alpaca import fake_cuda, zero
 from alpaca.args import resolve_device_defaults
 from alpaca.collate import Collator, give_step_counts, step_counts
+from alpaca.device_map import local_rank_gpus, one_process_gpus
+from alpaca.distributed import bound_device
 from alpaca.errors import UsageError
 from alpaca.flag_values import parse_layers, parse_position
 from alpaca.model import (
@@ -57,6 +57,7 @@ from alpaca.model import (
 )
 from alpaca.optim import build_optimizer
 from alpaca.output import LogWindow
+from alpaca.plan_device_map import accelerate_on_fake_tensors, fullest_gpu, place_by_device_map
 from alpaca.plan_zero import stand_in, zero_parts
 from alpaca.step_schedule import StepSchedule
 from alpaca.strategy import (
@@ -76,26 +77,29 @@ GiB = 2**30
 def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
     """Plan the command of `args` (see the module's docstring) and print the plan; `backward_step` is the script's."""
     nodes, gpus_per_node, gpu_bytes = args.plan
-    world_size = nodes * gpus_per_node
+    spread = args.device_map is not None  # a node's one process spreads the base over its GPUs
+    world_size = nodes if spread else nodes * gpus_per_node
     if prog == "train.py" and world_size > 1:
-        raise UsageError("train.py trains on one process: plan it with --plan 1x<MEMORY>, or plan N GPUs with "
-                         "train_multigpu.py")
+        raise UsageError("train.py trains on one process: plan it with --plan 1x<MEMORY> (with --device_map "
+                         "<GPUS>x<MEMORY>), or plan N GPUs with train_multigpu.py")
     fake_cuda.run_with_fake_cuda(args.cache_dir)  # may start this command again, with fake CUDA devices
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     started = time.perf_counter()
     if gpus_per_node > fake_cuda.DEVICES:
         raise UsageError(f"--plan plans up to {fake_cuda.DEVICES} GPUs a node; got {gpus_per_node}")
-    fake_cuda.answer_torch_cuda(gpu_bytes)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(gpus_per_node))
+    fake_cuda.answer_torch_cuda(gpu_bytes, gpus_per_node)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(1 if spread else gpus_per_node))
     path = resolve_model_path(args.model_name_or_path, args.cache_dir)  # the default: its converted directory
     config = read_config(args, path)
-    device = torch.device("cuda", 0)
+    gpus = one_process_gpus(spread) if prog == "train.py" else local_rank_gpus(prog, spread)  # the scripts' choice
+    device = torch.device("cuda", gpus[0])
     resolve_device_defaults(args, device.type)
     dtype = resolve_dtype(args.dtype, device)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        strategy = choose_strategy(args, device, dtype, [0], distributed=prog == "train_multigpu.py")
+        strategy = choose_strategy(args, device, dtype, gpus, distributed=prog == "train_multigpu.py")
         check_planned(args, strategy)
         stepped = stand_in(strategy) if isinstance(strategy, ZeRO) else strategy  # what runs on the fake GPUs
         micro_batches, collate, source = longest_micro_batches(args, config, path)
@@ -104,13 +108,14 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
         takes = inspect.signature(backward_step).parameters
         rank_options = {"placeholder": micro_batches[0], "gpus": []} if "placeholder" in takes else {}
         with (fake_cuda.fake_tensor_mode(), fake_cuda.gpu_attention_kernels(), weights_not_read(),
-              quant_states_given_back(stepped),
-              mock.patch("alpaca.strategy.DistributedDataParallel", ddp_on_the_fake_group)):
-            reft_model, optimizer, scheduler = build_planned_model(args, stepped, config, dtype, collate)
+              quant_states_given_back(stepped), accelerate_on_fake_tensors(),
+              mock.patch("alpaca.strategy.DistributedDataParallel", fake_cuda.ddp_on_the_fake_group)):
+            reft_model, optimizer, scheduler = build_planned_model(args, stepped, config, path, dtype, collate)
             if stepped is not strategy:  # its model-sized values, as ZeRO's wrap fills them (alpaca.zero.start)
                 zero.fill_model_sized(strategy.config, reft_model.model, sum(
                     parameter.numel() for _, parameter in intervention_parameters(reft_model)))
-            with fake_cuda.HostReads(), fake_cuda.NCCLDeviceRule(device) as rule:
+            # the rule of the group as the script binds it: to the rank's GPU, or to none where it spans several
+            with fake_cuda.HostReads(), fake_cuda.NCCLDeviceRule(bound_device(gpus), gpus) as rule:
                 train_model = stepped.wrap(reft_model, optimizer, scheduler, None)
                 tracker = memory_tracker(stepped, reft_model, optimizer)
                 with one_forward_at_a_time(tracker, train_model), tracker:
@@ -121,18 +126,18 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
                         backward_step(stepped, train_model, micro_batches, counts[0], window, device,
                                       **rank_options)
                         stepped.step(step + 1)
-                # by category name: the tracker's keys are str enums, which hash by their member's name
-                snapshot = tracker.get_tracker_snapshot("peak")[device]
-                peak = {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
                 # here, where host reads are answered: a 4-bit QuantState reads its values as it lists them
-                parts = memory_parts(peak, reft_model, optimizer, ddp_bucket_bytes(stepped),
-                                     untraced_bytes(stepped, reft_model))
+                gpu_parts = {gpu: memory_parts(peak_of(tracker, gpu), reft_model, optimizer, stepped, gpu)
+                             for gpu in map(torch.device, ["cuda"] * len(gpus), gpus)}
+                gpu = fullest_gpu({gpu: parts["total"] for gpu, parts in gpu_parts.items()})
+                parts = gpu_parts[gpu]
                 if stepped is not strategy:
                     parts = zero_parts(parts, strategy, reft_model, world_size)
     finally:
         dist.destroy_process_group()
     print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
-                      time.perf_counter() - started, rule.count))
+                      time.perf_counter() - started, rule.count,
+                      {gpu: parts["total"] for gpu, parts in gpu_parts.items()} if len(gpus) > 1 else {}))
 
 
 class FrozenBaseMemTracker(MemTracker):
@@ -142,29 +147,6 @@ class FrozenBaseMemTracker(MemTracker):
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True) -> tuple[int, int]:
         return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-
-@functools.wraps(DistributedDataParallel, assigned=(), updated=())  # its signature, which the strategy reads
-def ddp_on_the_fake_group(module: torch.nn.Module, **options) -> DistributedDataParallel:
-    """torch's DDP, where its C++ parts would read a fake tensor's data or the fake group's results: the check that
-    every rank's parameters have the same shapes (a plan has one rank), the order its buckets are rebuilt in after
-    the first step (the same bytes in another order), and its runtime statistics (timed with CUDA events, which the
-    CPU build has no timer of). Its gradient all-reduce runs as a comm hook doing what its own does: the fake
-    group's futures hold no tensor for the reducer to read back."""
-    with mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes"):
-        ddp = DistributedDataParallel(module, **options)
-    ddp.register_comm_hook(None, averaged_on_the_fake_group)
-    ddp.reducer = mock.Mock(wraps=ddp.reducer, _rebuild_buckets=lambda: False)
-    ddp.logger = mock.Mock()
-    return ddp
-
-
-def averaged_on_the_fake_group(state, bucket):  # no annotation: DDP checks it, and this module makes it a string
-    buffer = bucket.buffer()
-    dist.all_reduce(buffer)
-    averaged = torch.futures.Future()
-    averaged.set_result(buffer.div_(dist.get_world_size()))
-    return averaged
 
 
 def memory_tracker(strategy: Strategy, reft_model, optimizer) -> MemTracker:
@@ -216,9 +198,9 @@ def check_planned(args: argparse.Namespace, strategy: Strategy) -> None:
         raise UsageError("--plan does not plan --fsdp --load_in_4bit: FSDP2's gathered 4-bit weight is wrapped in "
                          "bitsandbytes' parameter class, which a fake tensor cannot be; plan --load_in_4bit, or "
                          "--fsdp (docs/big-models.md#will-it-fit)")
-    if strategy.device_map is not None:
-        raise UsageError("--plan does not plan --device_map: accelerate places real weights; plan --fsdp "
-                         "(docs/big-models.md#will-it-fit)")
+    if strategy.quantization is not None and strategy.device_map is not None:
+        raise UsageError("--plan does not plan --device_map with a quantized base: it quantizes the base on one "
+                         "GPU; plan --load_in_4bit, or --device_map (docs/big-models.md#will-it-fit)")
 
 
 def longest_micro_batches(args: argparse.Namespace, config, path: str) -> tuple[list[dict], Collator, str]:
@@ -275,15 +257,18 @@ def weights_not_read() -> Iterator[None]:
         yield
 
 
-def build_planned_model(args: argparse.Namespace, strategy: Strategy, config, dtype: torch.dtype,
+def build_planned_model(args: argparse.Namespace, strategy: Strategy, config, path: str, dtype: torch.dtype,
                         collate: Collator):
-    """Build the base from its config (on the meta device where the strategy shards it, else on its device), and
-    the interventions, the optimizer and the schedule as load_data_and_model and train do."""
+    """Build the base from its config (on the meta device where the strategy shards it, placed by a device map, else
+    on its device), and the interventions, the optimizer and the schedule as load_data_and_model and train do."""
     if strategy.quantization is not None:
         model = quantized_base(config, quantization_config(strategy.quantization, dtype), dtype, strategy.device)
     else:
-        with torch.device("meta" if strategy.shards_base else strategy.device):
+        with torch.device("meta" if strategy.shards_base or strategy.device_map else strategy.device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if strategy.device_map is not None:
+            place_by_device_map(model, strategy.device_map, path, dtype, args.cache_dir)
+            strategy.note_placement(model)
     model.tie_weights()
     model.requires_grad_(False)
     model.eval()
@@ -346,53 +331,62 @@ def quant_states_given_back(strategy: Strategy) -> Iterator[None]:
         yield
 
 
-def ddp_bucket_bytes(strategy: Strategy) -> int:
-    """Count DDP's buckets: a copy of every gradient it reduces, allocated as DDP is built (none without DDP)."""
-    return sum(p.nbytes for p in strategy.parameters) if isinstance(strategy, DDP) else 0
+def peak_of(tracker: MemTracker, gpu: torch.device) -> dict[str, int]:
+    """Return the tracker's peak on `gpu` by category name (its keys are str enums, which hash by their member's
+    name); nothing where the GPU held nothing."""
+    snapshot = tracker.get_tracker_snapshot("peak").get(gpu, {})
+    return {"Total": 0} | {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
 
 
-def untraced_bytes(strategy: Strategy, reft_model) -> int:
-    """Count what a GPU holds that the tracker does not follow: DDP's buckets (`ddp_bucket_bytes`), under --fsdp the
-    interventions' parameters (FSDP2's tracker follows the base and the optimizer), and a quantized base's
-    constants (a 4-bit weight's QuantState, in no module's parameters or buffers)."""
-    buckets = ddp_bucket_bytes(strategy)
-    interventions = (sum(p.nbytes for _, p in intervention_parameters(reft_model)) if isinstance(strategy, FSDP)
-                     else 0)
-    constants = sum(quantization_constant_bytes(parameter) for parameter in reft_model.model.parameters())
-    return buckets + interventions + constants
+def untraced_bytes(strategy: Strategy, reft_model, device: torch.device) -> int:
+    """Count what `device` holds that the tracker does not follow: DDP's buckets (a copy of every gradient it
+    reduces, allocated as DDP is built), under --fsdp the interventions' parameters (FSDP2's tracker follows the
+    base and the optimizer), and a quantized base's constants (a 4-bit weight's QuantState, in no module's
+    parameters or buffers)."""
+    interventions = sum(p.nbytes for _, p in intervention_parameters(reft_model) if p.device == device)
+    constants = sum(quantization_constant_bytes(p) for p in reft_model.model.parameters() if p.device == device)
+    return interventions * isinstance(strategy, (DDP, FSDP)) + constants
 
 
-def memory_parts(peak: dict[str, int], reft_model, optimizer, buckets: int, untraced: int) -> dict[str, int]:
-    """Split the device's peak, with the `untraced` bytes added (`untraced_bytes`: DDP's `buckets` among them): the
-    base parameters this rank holds, the interventions with their gradients and optimizer state (counted exactly),
-    the communication buffers (DDP's buckets; FSDP2's gathered units and their all-gather and reduce-scatter
-    buffers), and the rest, activations and temporaries of the longest step."""
-    parameters = [parameter for _, parameter in intervention_parameters(reft_model)]
+def memory_parts(peak: dict[str, int], reft_model, optimizer, strategy: Strategy,
+                 gpu: torch.device) -> dict[str, int]:
+    """Split the peak of one of the rank's GPUs, with what the tracker does not follow added (`untraced_bytes`): the
+    base parameters this rank holds there, the interventions with their gradients and optimizer state (counted
+    exactly), the communication buffers (DDP's buckets; FSDP2's gathered units and their all-gather and
+    reduce-scatter buffers), and the rest, activations and temporaries of the longest step."""
+    parameters = [parameter for _, parameter in intervention_parameters(reft_model) if parameter.device == gpu]
     # a gradient of each parameter's bytes: the step's zero_grad has dropped them by now
     interventions = sum(2 * p.nbytes for p in parameters) + sum(
         value.nbytes for state in optimizer.state.values() for value in state.values()
-        if isinstance(value, torch.Tensor) and value.device.type == "cuda")
-    base = local_parameter_bytes(reft_model.model) + sum(
-        buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
-    if any(p.device.type == "cpu" for p in reft_model.model.parameters()):  # --fsdp offload: shards in CPU memory
-        base = sum(buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device.type == "cuda")
+        if isinstance(value, torch.Tensor) and value.device == gpu)
+    # what this GPU holds: --fsdp offload's shards and a device map's CPU modules are in CPU memory
+    base = local_parameter_bytes(reft_model.model, gpu) + sum(
+        buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device == gpu)
+    buckets = sum(p.nbytes for p in parameters) if isinstance(strategy, DDP) else 0
     communication = buckets + sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather",
                                                                  "Reduce Scatter"))
-    total = peak["Total"] + untraced
+    total = peak["Total"] + untraced_bytes(strategy, reft_model, gpu)
     return {"base": base, "interventions": interventions, "communication": communication,
             "activations": max(total - base - interventions - communication, 0), "total": total}
 
 
 def plan_report(args: argparse.Namespace, strategy: Strategy, world_size: int, gpu_bytes: int,
                 parts: dict[str, int], micro_batches: list[dict], source: str, seconds: float,
-                collectives: int) -> str:
-    """Say what each rank holds at its peak, the headroom, and whether it fits; if not, what to try."""
+                collectives: int, gpu_totals: dict[torch.device, int]) -> str:
+    """Say what each rank holds at its peak (on its fullest GPU, where it spans several: `gpu_totals`), the headroom,
+    and whether it fits; if not, what to try."""
     width = micro_batches[0]["input_ids"].shape[1]
     headroom = gpu_bytes - parts["total"]
+    gpus = f"{world_size} x {gpu_bytes / GiB:.2f} GiB GPUs"
+    holds = "every rank holds the same"
+    if gpu_totals:
+        gpus = f"{world_size} process{'es' * (world_size > 1)} x {len(gpu_totals)} GPUs of {gpu_bytes / GiB:.2f} GiB"
+        peaks = ", ".join(f"{gpu}: {total / GiB:.3f}" for gpu, total in gpu_totals.items())
+        holds = f"{holds}, on its GPUs {peaks} GiB at their peaks; its fullest, {fullest_gpu(gpu_totals)}, holds"
     lines = [
-        f"Plan of {world_size} x {gpu_bytes / GiB:.2f} GiB GPUs, {strategy.layout}, {len(micro_batches)} micro-batch"
+        f"Plan of {gpus}, {strategy.layout}, {len(micro_batches)} micro-batch"
         f"{'es' * (len(micro_batches) > 1)} of {args.per_device_train_batch_size} x {width} tokens a step ({source}); "
-        "every rank holds the same:",
+        f"{holds}:",
         f"  base model (this rank's part)        {parts['base'] / GiB:9.3f} GiB",
         f"  interventions, gradients, AdamW      {parts['interventions'] / GiB:9.3f} GiB",
         f"  activations and temporaries          {parts['activations'] / GiB:9.3f} GiB",
@@ -410,8 +404,8 @@ def plan_report(args: argparse.Namespace, strategy: Strategy, world_size: int, g
                      "against a CPU run), and the activations and the collectives below are those of "
                      f"{'--fsdp' if strategy.shards_base else 'DDP'}'s step (alpaca.plan_zero.stand_in).")
     lines.append(f"Planned in {seconds:.0f}s on fake GPUs: {PLANNED_STEPS} steps of the script's own step, whose "
-                 f"{collectives} collectives all took tensors on the rank's GPU, as NCCL needs; nothing was trained, "
-                 "--output_dir untouched.")
+                 f"{collectives} collectives all took tensors on the rank's GPU{'s' * bool(gpu_totals)}, as NCCL "
+                 "needs; nothing was trained, --output_dir untouched.")
     return "\n".join(lines)
 
 
@@ -421,6 +415,9 @@ def remedies(args: argparse.Namespace, strategy: Strategy, world_size: int, part
     planned again, not assumed to fit."""
     base_flags, activation_flags = [], []
     deepspeed = isinstance(strategy, ZeRO)
+    if strategy.device_map is not None:
+        base_flags.append("--max_memory with room on 'cpu' (modules kept in CPU memory, brought to their GPU for each "
+                          "forward)")
     if not strategy.shards_base and world_size > 1:
         base_flags.append("--fsdp (the base sharded over the ranks)" if strategy.quantization is None
                           else "--fsdp (the 4-bit base sharded over the ranks; it trains, but is not planned)")

@@ -61,10 +61,13 @@ class Strategy:
     def load_base(self, model_path: str, dtype: torch.dtype, cache_dir: str | None):
         model, tokenizer = load_base_model(model_path, dtype, self.device, cache_dir, device_map=self.device_map,
                                            quantization=self.quantization)
-        if self.device_map is not None:
-            self.placed = f"--device_map ({self.device_map.describe(model)})"
-            self.layout = f"{self.layout}, on each rank by {self.placed}"
+        self.note_placement(model)
         return model, tokenizer
+
+    def note_placement(self, model) -> None:
+        """Say in the layout (the start line's, the plan's) where a device map has put the base."""
+        if self.device_map is not None:
+            self.layout = f"{self.layout}, on each rank by --device_map ({self.device_map.describe(model)})"
 
     def wrap(self, reft_model, optimizer: torch.optim.Optimizer, scheduler, optimizer_state: dict | None):
         """Place the ReFT model for training; returns the module the loss runs through. `optimizer_state` is a
@@ -340,10 +343,10 @@ def check_replicated(parameters: list[torch.Tensor], device: torch.device) -> No
         raise RuntimeError("the interventions differ across ranks after the broadcast")
 
 
-def local_parameter_bytes(module: torch.nn.Module) -> int:
-    """Count the bytes of parameters this rank holds: its shards of sharded parameters (FSDP's DTensors, ZeRO-3's
-    partitions), none of those a device map keeps on disk (on the meta device between forwards), the rest whole;
-    a bitsandbytes weight with its quantization constants."""
+def local_parameter_bytes(module: torch.nn.Module, device: torch.device | None = None) -> int:
+    """Count the bytes of parameters this rank holds (on `device` only, if given): its shards of sharded parameters
+    (FSDP's DTensors, ZeRO-3's partitions), none of those a device map keeps on disk (on the meta device between
+    forwards), the rest whole; a bitsandbytes weight with its quantization constants."""
     def held(parameter: torch.Tensor) -> int:
         if isinstance(parameter, DTensor):
             return parameter.to_local().nbytes
@@ -353,10 +356,12 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
                 + quantization_constant_bytes(parameter))
 
     # FSDP2's shard of a 4-bit weight has lost its quantization state; bitsandbytes' Linear4bit keeps it, whole
+    def counted(parameter: torch.Tensor) -> bool:
+        return parameter.device.type != "meta" if device is None else parameter.device == device
+
     sharded_constants = sum(quantization_constant_bytes(layer) for layer in module.modules()
-                            if isinstance(getattr(layer, "weight", None), DTensor))
-    return sharded_constants + sum(held(parameter) for parameter in module.parameters()
-                                   if parameter.device.type != "meta")
+                            if isinstance(getattr(layer, "weight", None), DTensor) and counted(layer.weight))
+    return sharded_constants + sum(held(parameter) for parameter in module.parameters() if counted(parameter))
 
 
 def quantization_constant_bytes(holder: torch.Tensor | torch.nn.Module) -> int:

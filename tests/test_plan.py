@@ -112,7 +112,8 @@ def test_a_4bit_base_is_planned_as_bitsandbytes_stores_it(tmp_path):
     (["--plan", "0x80GB"], "at least 1 node and 1 GPU"),
     (["--plan", "8x80GB", "--model_name_or_path", "MISSING"], "cannot read the config"),
     (["--plan", "8x80GB", "--model_name_or_path", "EMPTY"], "cannot read the config"),
-    (["--plan", "8x80GB", "--device_map", "auto"], "does not plan --device_map"),
+    (["--plan", "8x80GB", "--device_map", "auto", "--load_in_4bit"], "does not plan --device_map with a quantized"),
+    (["--plan", "8x80GB", "--device_map", '{"": "disk"}', "--offload_folder", "OFFLOAD"], "modules on 'disk'"),
     (["--plan", "8x80GB", "--load_in_4bit", "--fsdp"], "does not plan --fsdp --load_in_4bit"),
     (["--plan", "8x80GB", "--load_in_8bit"], "does not plan --load_in_8bit"),
     (["--plan", "8x80GB", "--packing"], "does not plan --packing"),
@@ -124,15 +125,15 @@ def test_bad_plans_end_with_one_line(flags, message, tmp_path):
     (tmp_path / "empty").mkdir()
     model = llama_config(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
-    flags = [{"MISSING": str(tmp_path / "missing"), "EMPTY": str(tmp_path / "empty")}.get(flag, flag)
-             for flag in flags]
+    paths = {"MISSING": tmp_path / "missing", "EMPTY": tmp_path / "empty", "OFFLOAD": tmp_path / "offload"}
+    flags = [str(paths[flag]) if flag in paths else flag for flag in flags]
     if "--model_name_or_path" not in flags:
         flags += ["--model_name_or_path", str(model)]
     result = run_script(["train_multigpu.py", "--layers", "0", "--output_dir", str(tmp_path / "out"), *flags])
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "offload").exists()
     assert json.loads((model / "config.json").read_text())["hidden_size"] == 64  # the model untouched
 
 
@@ -221,36 +222,64 @@ def test_a_zero_plan_bounds_a_real_runs_peak(stage, rank, tmp_path):
 
 
 # Defects of the kind NCCL refuses and gloo on CPU accepts, each planted in a copy of the code the plan runs.
-PLANTED = {
+PLANTED = {  # a defect: (what plants it, the call site it fails at, the device of the tensor it gives NCCL)
     "the interventions' gradients averaged in host memory": (
         "import torch; flatten = torch._utils._flatten_dense_tensors; "
         "torch._utils._flatten_dense_tensors = lambda tensors: flatten(tensors).cpu()",
-        "alpaca/strategy.py", "average_gradients"),
+        "alpaca/strategy.py", "average_gradients", "cpu"),
     "the replicas' checksums compared in host memory": (
         "import inspect, alpaca.strategy as s; "
         "exec(inspect.getsource(s.check_replicated).replace('.to(device)', '.cpu()'), vars(s))",
-        "<string>", "check_replicated"),
+        "<string>", "check_replicated", "cpu"),
+    "the process group bound to one GPU of a rank's device map": (
+        "import torch, alpaca.distributed as d; d.bound_device = lambda gpus: torch.device('cuda', gpus[0])",
+        "alpaca/strategy.py", "wrap", "cuda:1"),
 }
+# the tiny model's two layers on a rank's two GPUs, its first on the CPU between forwards
+TWO_GPU_MAP = json.dumps({"model.embed_tokens": 0, "model.layers.0": "cpu", "model.layers.1": 1, "model.norm": 1,
+                          "model.rotary_emb": 1, "lm_head": 1})
 
 
-@pytest.mark.parametrize("defect, strategy", [(defect, ["--fsdp"]) for defect in PLANTED] + [
-    ("the replicas' checksums compared in host memory", [])])
-def test_a_collective_off_the_ranks_gpu_fails_the_plan_at_its_call_site(defect, strategy, tmp_path):
-    """Each planted defect makes the --fsdp plan (and DDP's, for the code DDP runs) at world size 8 fail with one
-    line naming the collective's call site and the device; without it the same plans pass
-    (test_a_plan_that_does_not_fit_names_what_to_try, test_the_planned_peak_is_a_real_runs_peak)."""
-    plant, path, function = PLANTED[defect]
+@pytest.mark.parametrize("defect, strategy, plan", [(defect, ["--fsdp"], "8x80GB") for defect in list(PLANTED)[:2]] + [
+    ("the replicas' checksums compared in host memory", [], "8x80GB"),
+    ("the process group bound to one GPU of a rank's device map", ["--device_map", TWO_GPU_MAP], "8x2x80GB")])
+def test_a_collective_off_the_ranks_gpu_fails_the_plan_at_its_call_site(defect, strategy, plan, tmp_path):
+    """Each planted defect makes the --fsdp plan (and DDP's, for the code DDP runs; DDP's over a device map of two
+    GPUs a rank, for its process group's binding) at world size 8 fail with one line naming the collective's call
+    site and the device; without it the same plans pass (test_a_plan_that_does_not_fit_names_what_to_try,
+    test_the_planned_peak_is_a_real_runs_peak, test_a_device_map_plan_holds_each_gpus_part_of_the_base)."""
+    plant, path, function, device = PLANTED[defect]
     model = llama_config(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
     runner = f"import runpy, sys; {plant}; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     result = run_script(["-c", runner, "train_multigpu.py", "--model_name_or_path", str(model), "--layers", "0;1",
-                         *strategy, "--plan", "8x80GB", "--model_max_length", "32",
+                         *strategy, "--plan", plan, "--model_max_length", "32",
                          "--output_dir", str(tmp_path / "out")])
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
-    assert re.search(rf"a collective \(\w+\) at {path}:\d+ \({function}\) is given a tensor on cpu, where NCCL takes "
-                     r"only the rank's cuda:0", line), line
+    assert re.search(rf"a collective \(\w+\) at {path}:\d+ \({function}\) is given a tensor on {device}, where NCCL "
+                     r"takes only the rank's cuda:0", line), line
+
+
+def test_a_device_map_plan_holds_each_gpus_part_of_the_base(tmp_path):
+    """DDP at world size 8 over a device map of two GPUs a rank (TWO_GPU_MAP's modules: the embeddings on the first,
+    the first layer in CPU memory, the rest on the second): the plan names each GPU's peak, the fullest (the second,
+    which holds the logits) holds exactly its modules' parameters, and its collectives pass NCCL's rule for a group
+    bound to no GPU."""
+    fields = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=4000, tie_word_embeddings=False)
+    model = llama_config(tmp_path / "model", **fields)
+    result = run_script(["train_multigpu.py", "--model_name_or_path", str(model), "--layers", "0;1", "--device_map",
+                         TWO_GPU_MAP, "--plan", "8x2x80GB", "--model_max_length", "64",
+                         "--output_dir", str(tmp_path / "out")])
+    figures = planned(result)
+    one_layer = (parameter_bytes({**fields, "num_hidden_layers": 1, "vocab_size": 0}) - 2 * fields["hidden_size"])
+    second_gpu = one_layer + 2 * fields["vocab_size"] * fields["hidden_size"] + 2 * fields["hidden_size"]
+    assert "on its GPUs cuda:0: " in result.stdout and "its fullest, cuda:1, holds" in result.stdout
+    assert figures["base model"] == pytest.approx(second_gpu / GiB, abs=0.0006)  # printed to 3 decimals
+    assert "collectives all took tensors on the rank's GPUs" in result.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def test_fsdp_offload_plans_the_shards_off_the_gpu(tmp_path):

@@ -45,7 +45,7 @@ def traced(strategy):
             if number == PLANNED_STEPS:
                 tracking.close()
                 peak = (tracker.get_tracker_snapshot("peak")[strategy.device]["Total"]
-                        + untraced_bytes(strategy, reft_model) + zero_partitions(reft_model))
+                        + untraced_bytes(strategy, reft_model, strategy.device) + zero_partitions(reft_model))
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 print(f"traced peak of rank {rank}: {peak} bytes", flush=True)
             return grad_norm
