@@ -84,8 +84,8 @@ def test_train_py_plans_one_gpu_and_its_peak_grows_with_the_batch(tmp_path):
     assert two["activations"] > 1.5 * one["activations"]
     several = run_script([*common, "--plan", "2x80GB"])
     assert several.returncode == 2 and several.stderr.strip().splitlines() == [
-        "train.py: error: train.py trains on one process: plan it with --plan 1x<MEMORY>, or plan N GPUs with "
-        "train_multigpu.py"], several.stderr[-2000:]
+        "train.py: error: train.py trains on one process: plan it with --plan 1x<MEMORY> (with --device_map "
+        "<GPUS>x<MEMORY>), or plan N GPUs with train_multigpu.py"], several.stderr[-2000:]
 
 
 def test_a_4bit_base_is_planned_as_bitsandbytes_stores_it(tmp_path):
