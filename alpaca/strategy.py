@@ -67,7 +67,8 @@ class Strategy:
     def note_placement(self, model) -> None:
         """Say in the layout (the start line's, the plan's) where a device map has put the base."""
         if self.device_map is not None:
-            self.layout = f"{self.layout}, on each rank by --device_map ({self.device_map.describe(model)})"
+            self.placed = f"--device_map ({self.device_map.describe(model)})"
+            self.layout = f"{self.layout}, on each rank by {self.placed}"
 
     def wrap(self, reft_model, optimizer: torch.optim.Optimizer, scheduler, optimizer_state: dict | None):
         """Place the ReFT model for training; returns the module the loss runs through. `optimizer_state` is a
