@@ -128,16 +128,15 @@ def plan(prog: str, args: argparse.Namespace, backward_step: Callable) -> None:
                         stepped.step(step + 1)
                 # here, where host reads are answered: a 4-bit QuantState reads its values as it lists them
                 gpu_parts = {gpu: memory_parts(peak_of(tracker, gpu), reft_model, optimizer, stepped, gpu)
-                             for gpu in map(torch.device, ["cuda"] * len(gpus), gpus)}
-                gpu = fullest_gpu({gpu: parts["total"] for gpu, parts in gpu_parts.items()})
-                parts = gpu_parts[gpu]
+                             for gpu in (torch.device("cuda", index) for index in gpus)}
+                gpu_totals = {gpu: gpu_part["total"] for gpu, gpu_part in gpu_parts.items()}
+                parts = gpu_parts[fullest_gpu(gpu_totals)]
                 if stepped is not strategy:
                     parts = zero_parts(parts, strategy, reft_model, world_size)
     finally:
         dist.destroy_process_group()
     print(plan_report(args, strategy, world_size, gpu_bytes, parts, micro_batches, source,
-                      time.perf_counter() - started, rule.count,
-                      {gpu: parts["total"] for gpu, parts in gpu_parts.items()} if len(gpus) > 1 else {}))
+                      time.perf_counter() - started, rule.count, gpu_totals if len(gpus) > 1 else {}))
 
 
 class FrozenBaseMemTracker(MemTracker):
@@ -338,14 +337,24 @@ def peak_of(tracker: MemTracker, gpu: torch.device) -> dict[str, int]:
     return {"Total": 0} | {getattr(kind, "value", kind): size for kind, size in snapshot.items()}
 
 
+def ddp_bucket_bytes(strategy: Strategy, reft_model, device: torch.device) -> int:
+    """Count DDP's buckets on `device`: a copy of every gradient it reduces, allocated as DDP is built (none without
+    DDP)."""
+    return intervention_bytes(reft_model, device) if isinstance(strategy, DDP) else 0
+
+
+def intervention_bytes(reft_model, device: torch.device) -> int:
+    """Count the bytes of the interventions' parameters on `device`."""
+    return sum(p.nbytes for _, p in intervention_parameters(reft_model) if p.device == device)
+
+
 def untraced_bytes(strategy: Strategy, reft_model, device: torch.device) -> int:
-    """Count what `device` holds that the tracker does not follow: DDP's buckets (a copy of every gradient it
-    reduces, allocated as DDP is built), under --fsdp the interventions' parameters (FSDP2's tracker follows the
-    base and the optimizer), and a quantized base's constants (a 4-bit weight's QuantState, in no module's
-    parameters or buffers)."""
-    interventions = sum(p.nbytes for _, p in intervention_parameters(reft_model) if p.device == device)
+    """Count what `device` holds that the tracker does not follow: DDP's buckets (`ddp_bucket_bytes`), under --fsdp
+    the interventions' parameters (FSDP2's tracker follows the base and the optimizer), and a quantized base's
+    constants (a 4-bit weight's QuantState, in no module's parameters or buffers)."""
+    interventions = intervention_bytes(reft_model, device) if isinstance(strategy, FSDP) else 0
     constants = sum(quantization_constant_bytes(p) for p in reft_model.model.parameters() if p.device == device)
-    return interventions * isinstance(strategy, (DDP, FSDP)) + constants
+    return ddp_bucket_bytes(strategy, reft_model, device) + interventions + constants
 
 
 def memory_parts(peak: dict[str, int], reft_model, optimizer, strategy: Strategy,
@@ -354,17 +363,15 @@ def memory_parts(peak: dict[str, int], reft_model, optimizer, strategy: Strategy
     base parameters this rank holds there, the interventions with their gradients and optimizer state (counted
     exactly), the communication buffers (DDP's buckets; FSDP2's gathered units and their all-gather and
     reduce-scatter buffers), and the rest, activations and temporaries of the longest step."""
-    parameters = [parameter for _, parameter in intervention_parameters(reft_model) if parameter.device == gpu]
     # a gradient of each parameter's bytes: the step's zero_grad has dropped them by now
-    interventions = sum(2 * p.nbytes for p in parameters) + sum(
+    interventions = 2 * intervention_bytes(reft_model, gpu) + sum(
         value.nbytes for state in optimizer.state.values() for value in state.values()
         if isinstance(value, torch.Tensor) and value.device == gpu)
     # what this GPU holds: --fsdp offload's shards and a device map's CPU modules are in CPU memory
     base = local_parameter_bytes(reft_model.model, gpu) + sum(
         buffer.nbytes for buffer in reft_model.model.buffers() if buffer.device == gpu)
-    buckets = sum(p.nbytes for p in parameters) if isinstance(strategy, DDP) else 0
-    communication = buckets + sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather",
-                                                                 "Reduce Scatter"))
+    gathered = sum(peak.get(kind, 0) for kind in ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"))
+    communication = ddp_bucket_bytes(strategy, reft_model, gpu) + gathered
     total = peak["Total"] + untraced_bytes(strategy, reft_model, gpu)
     return {"base": base, "interventions": interventions, "communication": communication,
             "activations": max(total - base - interventions - communication, 0), "total": total}

@@ -356,10 +356,10 @@ def local_parameter_bytes(module: torch.nn.Module, device: torch.device | None =
         return (parameter.nbytes + (parameter.ds_tensor.nbytes if hasattr(parameter, "ds_tensor") else 0)
                 + quantization_constant_bytes(parameter))
 
-    # FSDP2's shard of a 4-bit weight has lost its quantization state; bitsandbytes' Linear4bit keeps it, whole
     def counted(parameter: torch.Tensor) -> bool:
         return parameter.device.type != "meta" if device is None else parameter.device == device
 
+    # FSDP2's shard of a 4-bit weight has lost its quantization state; bitsandbytes' Linear4bit keeps it, whole
     sharded_constants = sum(quantization_constant_bytes(layer) for layer in module.modules()
                             if isinstance(getattr(layer, "weight", None), DTensor) and counted(layer.weight))
     return sharded_constants + sum(held(parameter) for parameter in module.parameters() if counted(parameter))
